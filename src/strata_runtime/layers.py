@@ -1,0 +1,92 @@
+"""Building blocks shared by the model files: linear layers over GGUF
+weights, RMSNorm, rotary embeddings, attention over a KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata_kernels import QuantTensor, dequantize
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T`` for a GGUF weight of logical shape ``[out, in]``.
+
+    Invariant: ``weight`` is the exact dequantization of the GGUF blocks in
+    ``dtype`` (float32 reproduces the reference implementation bit for bit
+    in the weights).
+    """
+
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose GGUF weight is the full multiplier (converters fold in
+    the ``1 +`` that Gemma's checkpoints keep separately)."""
+
+    def __init__(self, weight: QuantTensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(dequantize(weight).reshape(-1), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, base: float, linear_scale: float = 1.0) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base ** exponents) / linear_scale
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """NEOX-style rotary embedding (halves rotated) of ``x`` ``[T, heads, dim]``."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    cos = angles.cos()[:, None, :].to(x.dtype)
+    sin = angles.sin()[:, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(q_positions: torch.Tensor, k_length: int, window: int | None) -> torch.Tensor:
+    """``[T, k_length]`` booleans, True where query i may attend key j:
+    causal, and within ``window`` positions when the layer slides."""
+    k_positions = torch.arange(k_length, device=q_positions.device)
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if window is not None:
+        allowed &= q_positions[:, None] - k_positions[None, :] < window
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention. ``q`` ``[T, H, D]``, ``k``/``v`` ``[L, Hkv, D]``
+    with ``H`` a multiple of ``Hkv``, ``mask`` ``[T, L]``; returns ``[T, H, D]``."""
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)
+    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def default_attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

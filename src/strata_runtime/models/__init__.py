@@ -1,0 +1,20 @@
+"""One module per architecture; the loader picks it from ``general.architecture``."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from ..errors import ModelFileError
+
+# general.architecture -> module under strata_runtime.models
+ARCHITECTURES = {"gemma3": "gemma3"}
+
+
+def model_module(architecture: str, path=None):
+    name = ARCHITECTURES.get(architecture)
+    if name is None:
+        where = f"{path}: " if path else ""
+        raise ModelFileError(
+            f"{where}architecture {architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return import_module(f"{__name__}.{name}")

@@ -1,0 +1,158 @@
+"""Gemma 3, as its GGUF describes it.
+
+Grouped-query attention with RMS-normed queries and keys; five sliding-window
+layers to each global one, with their own RoPE bases; a gated tanh-GELU MLP;
+norms after attention and after the MLP as well as before; embeddings scaled
+by sqrt(hidden); the output head tied to the embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from strata_kernels import QuantTensor, dequantize
+
+from ..gguf_file import ModelConfig
+from ..kv_cache import KVCache
+from ..layers import Linear, RMSNorm, apply_rope, attend, attention_mask, gelu_tanh, rope_inverse_frequencies
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rms_eps: float
+    rope_base: float  # global layers
+    rope_base_local: float  # sliding-window layers
+    rope_linear_scale: float  # global layers only
+    sliding_window: int
+    sliding_window_pattern: int  # every n-th layer is global
+    attention_scale: float
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, vocab_size: int) -> "ModelArgs":
+        scaling = config.arch_key("rope.scaling.type")
+        factor = float(config.arch_key("rope.scaling.factor", 1.0) or 1.0)
+        head_dim = config.key_length
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=config.embedding_length,
+            n_layers=config.block_count,
+            n_heads=config.head_count,
+            n_kv_heads=config.head_count_kv,
+            head_dim=head_dim,
+            ffn_dim=config.feed_forward_length,
+            rms_eps=config.rms_norm_eps,
+            rope_base=config.rope_freq_base,
+            # Gemma 3 files store only the global base; the local one is fixed by the architecture.
+            rope_base_local=float(config.arch_key("rope.freq_base_swa", 10000.0)),
+            rope_linear_scale=factor if scaling == "linear" else 1.0,
+            sliding_window=int(config.sliding_window or config.context_length),
+            sliding_window_pattern=int(config.arch_key("attention.sliding_window_pattern", 6)),
+            # query_pre_attn_scalar is head_dim for the sizes llama.cpp knows, except 27B.
+            attention_scale=1.0 / math.sqrt(head_dim),
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        return (layer + 1) % self.sliding_window_pattern != 0
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.layer = layer
+        self.args = args
+        self.q_proj = Linear(w(p + "attn_q.weight"), dtype)
+        self.k_proj = Linear(w(p + "attn_k.weight"), dtype)
+        self.v_proj = Linear(w(p + "attn_v.weight"), dtype)
+        self.o_proj = Linear(w(p + "attn_output.weight"), dtype)
+        self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps)
+        self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps)
+        sliding = args.is_sliding(layer)
+        self.window = args.sliding_window if sliding else None
+        inv_freq = (
+            rope_inverse_frequencies(args.head_dim, args.rope_base_local)
+            if sliding
+            else rope_inverse_frequencies(args.head_dim, args.rope_base, args.rope_linear_scale)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        a = self.args
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, a.n_heads, a.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, a.n_kv_heads, a.head_dim))
+        v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        keys, values = cache.update_and_fetch(self.layer, int(positions[0]), k, v)
+        mask = attention_mask(positions, keys.shape[0], self.window)
+        out = attend(q, keys, values, mask, a.attention_scale)
+        return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, layer: int, w, dtype: torch.dtype):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.gate = Linear(w(p + "ffn_gate.weight"), dtype)
+        self.up = Linear(w(p + "ffn_up.weight"), dtype)
+        self.down = Linear(w(p + "ffn_down.weight"), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(gelu_tanh(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps)
+        self.attn = Attention(args, layer, w, dtype)
+        self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps)
+        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps)
+        self.mlp = MLP(layer, w, dtype)
+        self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, cache))
+        return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
+
+
+class Model(nn.Module):
+    """``forward(tokens, positions, cache)``: tokens ``[T]`` at consecutive
+    ``positions`` starting at ``cache.length``; returns logits ``[T, vocab]``
+    (or ``[1, vocab]`` for the last position when ``last_only``)."""
+
+    def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.args = args
+        embedding: QuantTensor = weights("token_embd.weight")
+        # Tied: the same table embeds tokens and, transposed, scores them.
+        self.embedding = nn.Parameter(dequantize(embedding, dtype), requires_grad=False)
+        self.embed_scale = torch.tensor(math.sqrt(args.hidden_size), dtype=dtype)
+        self.layers = nn.ModuleList(Block(args, i, weights, dtype) for i in range(args.n_layers))
+        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        x = self.embedding[tokens] * self.embed_scale
+        for block in self.layers:
+            x = block(x, positions, cache)
+        cache.advance(tokens.shape[0])
+        if last_only:
+            x = x[-1:]
+        return (self.norm(x) @ self.embedding.T).float()
+
+    def new_cache(self, max_tokens: int, dtype: torch.dtype = torch.float32) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens, dtype, self.embedding.device)

@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def kv_bytes_per_token(config, bytes_per_value: int) -> int:
+    """Bytes one token of context costs across all layers (keys and values)."""
+    per_layer = config.head_count_kv * (config.key_length + config.value_length)
+    return config.block_count * per_layer * bytes_per_value
+
+
 class KVCache:
     """Keys and values of every layer of one sequence, in storage sized once.
 

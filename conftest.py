@@ -1,0 +1,36 @@
+"""Fixtures shared by kernels_test/ and tests/: the real default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "tests" / "data"
+
+
+@pytest.fixture(scope="session")
+def model_file() -> Path:
+    """The default model's GGUF, assembled once from the PyPI package."""
+    from strata_runtime.default_model import default_model_path
+
+    return default_model_path(progress=False)
+
+
+@pytest.fixture(scope="session")
+def engine(model_file):
+    """One loaded engine (exact float32 path) shared by the session."""
+    import strata_runtime
+
+    return strata_runtime.load(model_file, dtype="float32", progress=False, context_length=2048)
+
+
+@pytest.fixture(scope="session")
+def reference_float32() -> dict:
+    return json.loads((DATA / "gemma-3-270m-q4_k_m.float32.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference_llamacpp() -> dict:
+    return json.loads((DATA / "gemma-3-270m-q4_k_m.llamacpp.json").read_text())

@@ -1,0 +1,299 @@
+"""The notebook API: ``load()`` a model and talk to it through an ``Engine``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .chat_template import ChatTemplate, ChatTemplateError
+from .default_model import default_model_path
+from .errors import StrataError
+from .generation import generate_tokens
+from .gguf_file import GGUFFile
+from .kv_cache import KVCache
+from .models import model_module
+from .sampling import Sampler, SamplingParams
+from .text_stream import StopTextStream
+from .tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The settings of one engine, fixed at load time."""
+
+    dtype: str = "float32"
+    context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
+    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    cache_dir: str | None = None  # where the default model is assembled
+    progress: bool = True  # progress bars while assembling and loading
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.context_length, int) or self.context_length < 1:
+            raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; load() accepts {', '.join(sorted(known))}")
+        return cls(**options)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished generation. ``tokens`` are the generated ids (an
+    end-of-generation token is not included); ``finish_reason`` is ``"stop"``
+    (EOS or a stop string) or ``"length"`` (max_tokens or the context ran out)."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes out of prefill; decode steps make the rest.
+        steps = max(0, len(self.tokens) - 1)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def load(path: str | Path | None = None, **options: Any) -> "Engine":
+    """Load a GGUF model (``path=None``: the embedded default model).
+
+    Options: see ``EngineConfig`` (``dtype="float32"`` is the exact path).
+    """
+    config = EngineConfig.from_options(options)
+    if path is None:
+        path = default_model_path(config.cache_dir, progress=config.progress)
+    gguf = GGUFFile.open(path)
+    module = model_module(gguf.architecture, gguf.path)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
+    names = gguf.tensor_names()
+    with tqdm(total=len(names), desc=f"loading {gguf.path.name}", unit="tensor", disable=not config.progress) as bar:
+
+        def weights(name: str):
+            bar.update(1)
+            return gguf.tensor(name)
+
+        with torch.inference_mode():
+            model = module.Model(args, weights, DTYPES[config.dtype])
+    return Engine(gguf, model, tokenizer, config)
+
+
+class Engine:
+    """One model and its live sequence.
+
+    Invariant: ``_cache`` holds the keys and values of exactly
+    ``_cache_tokens``; a new prompt that starts with some of them reuses
+    that prefix and prefills only the rest.
+    """
+
+    def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig):
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.gguf = gguf
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.context_length = min(config.context_length, gguf.config.context_length)
+        self.chat_template = ChatTemplate.for_model(
+            gguf.get("tokenizer.chat_template"),
+            gguf.architecture,
+            _token_text(tokenizer, tokenizer.bos_id),
+            _token_text(tokenizer, tokenizer.eos_id),
+        )
+        self._cache: KVCache = model.new_cache(self.context_length)
+        self._cache_tokens: list[int] = []
+        self.last_completion: Completion | None = None
+        self.loaded_at = time.time()
+
+    # --- text <-> tokens --------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # --- model ------------------------------------------------------------
+
+    def logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits ``[len(tokens), vocab]`` (float32) from an empty
+        state: row ``i`` predicts token ``i + 1``. The live sequence is untouched."""
+        tokens = self._check_tokens(tokens)
+        cache = self.model.new_cache(len(tokens))
+        with torch.inference_mode():
+            ids = torch.tensor(tokens, dtype=torch.long)
+            return self.model(ids, torch.arange(len(tokens)), cache).float()
+
+    def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
+        run = self._start(prompt, sampling)
+        for _ in run:
+            pass
+        return run.completion
+
+    def stream(self, prompt: str | Sequence[int], **sampling: Any) -> Iterator[str]:
+        """Text pieces as they are decoded (same arguments as ``generate``).
+        Arguments are checked here, before the first piece is asked for."""
+        return iter(self._start(prompt, sampling))
+
+    def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **sampling: Any):
+        """Generate the assistant's reply to ``messages`` through the model's chat template."""
+        prompt = self.chat_prompt(messages)
+        return self.stream(prompt, **sampling) if stream else self.generate(prompt, **sampling)
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"{self.gguf.path} has no chat template (tokenizer.chat_template); use generate() with a plain prompt"
+            )
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_bos=False, special=True)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.vocab.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def props(self) -> dict[str, Any]:
+        c = self.gguf.config
+        return {
+            "model": c.name,
+            "path": str(self.gguf.path),
+            "architecture": c.architecture,
+            "context_length": self.context_length,
+            "model_context_length": c.context_length,
+            "vocab_size": self.tokenizer.vocab.size,
+            "dtype": self.config.dtype,
+            "kv": "float32",
+            "kv_bytes_per_token": self._cache.bytes_per_token(),
+            "threads": torch.get_num_threads(),
+            "chat_template": None if self.chat_template is None else self.chat_template.origin,
+            "settings": dataclasses.asdict(self.config),
+        }
+
+    # --- internals --------------------------------------------------------
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise StrataError("the prompt is empty; give at least one token")
+        vocab = self.tokenizer.vocab.size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise StrataError(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens")
+        return tokens
+
+    def _start(self, prompt: str | Sequence[int], sampling: dict[str, Any]) -> "_Run":
+        try:
+            params = SamplingParams(**sampling)
+        except TypeError as e:
+            raise TypeError(f"{e}; sampling options are {', '.join(f.name for f in dataclasses.fields(SamplingParams))}") from None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self._check_tokens(ids)
+        if len(ids) >= self.context_length:
+            raise StrataError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.context_length}; "
+                f"shorten the prompt or load with a larger context_length"
+            )
+        return _Run(self, ids, params)
+
+    def _reuse_prefix(self, prompt: list[int]) -> int:
+        """Trim the live cache to its longest prefix shared with ``prompt``,
+        keeping at least one prompt token to prefill; return what is reused."""
+        shared = 0
+        for a, b in zip(self._cache_tokens, prompt):
+            if a != b:
+                break
+            shared += 1
+        shared = min(shared, len(prompt) - 1)
+        self._cache.trim(shared)
+        self._cache_tokens = self._cache_tokens[:shared]
+        return shared
+
+
+class _Run:
+    """One generation: iterate for text pieces; ``completion`` when done."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams):
+        self.engine = engine
+        self.prompt = prompt
+        self.params = params
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        e, p = self.engine, self.params
+        cached = e._reuse_prefix(self.prompt)
+        room = e.context_length - len(self.prompt)
+        max_tokens = min(p.max_tokens, room)
+        text = StopTextStream(e.tokenizer.stream_decoder(), p.stop)
+        generated: list[int] = []
+        finish = "length"
+        t0 = time.perf_counter()
+        t_first = t0
+
+        def prefilled() -> None:
+            nonlocal t_first
+            t_first = time.perf_counter()
+
+        e._cache_tokens = list(self.prompt[:cached])
+        try:
+            with torch.inference_mode():
+                for token in generate_tokens(
+                    e.model, e._cache, self.prompt, Sampler(p), max_tokens, e.tokenizer.end_of_generation, prefilled
+                ):
+                    if token in e.tokenizer.end_of_generation:
+                        finish = "stop"
+                        break
+                    generated.append(token)
+                    piece = text.push(token)
+                    if piece:
+                        yield piece
+                    if text.stopped:
+                        finish = "stop"
+                        break
+            tail = text.finish()
+            if tail:
+                yield tail
+        finally:
+            # The cache holds the prompt and every generated token but the last.
+            e._cache_tokens = (self.prompt + generated)[: e._cache.length]
+        t_end = time.perf_counter()
+        self.completion = Completion(
+            text=text.emitted,
+            tokens=generated,
+            finish_reason=finish,
+            prompt_tokens=len(self.prompt),
+            cached_tokens=cached,
+            prefill_seconds=t_first - t0,
+            decode_seconds=t_end - t_first,
+        )
+        e.last_completion = self.completion
+
+
+def _token_text(tokenizer: Tokenizer, token: int | None) -> str:
+    return "" if token is None else tokenizer.vocab.tokens[token]

@@ -63,10 +63,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return x * cos + rotated * sin
 
 
-def attention_mask(q_positions: torch.Tensor, k_length: int, window: int | None) -> torch.Tensor:
-    """``[T, k_length]`` booleans, True where query i may attend key j:
-    causal, and within ``window`` positions when the layer slides."""
-    k_positions = torch.arange(k_length, device=q_positions.device)
+def attention_mask(q_positions: torch.Tensor, k_start: int, k_end: int, window: int | None) -> torch.Tensor:
+    """``[T, k_end - k_start]`` booleans, True where query i may attend the key
+    at position ``k_start + j``: causal, and within ``window`` positions when
+    the layer slides."""
+    k_positions = torch.arange(k_start, k_end, device=q_positions.device)
     allowed = k_positions[None, :] <= q_positions[:, None]
     if window is not None:
         allowed &= q_positions[:, None] - k_positions[None, :] < window
@@ -76,11 +77,10 @@ def attention_mask(q_positions: torch.Tensor, k_length: int, window: int | None)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention. ``q`` ``[T, H, D]``, ``k``/``v`` ``[L, Hkv, D]``
     with ``H`` a multiple of ``Hkv``, ``mask`` ``[T, L]``; returns ``[T, H, D]``."""
-    groups = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)
-    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)
-    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    # enable_gqa shares each key/value head with its query group without copying it.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(0, 1)
 
 

@@ -95,8 +95,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
-        keys, values = cache.update_and_fetch(self.layer, int(positions[0]), k, v)
-        mask = attention_mask(positions, keys.shape[0], self.window)
+        start = int(positions[0])
+        keys, values = cache.update_and_fetch(self.layer, start, k, v)
+        end = keys.shape[0]
+        # A sliding layer never looks further back than its window: skip older keys.
+        k_start = 0 if self.window is None else max(0, start - self.window + 1)
+        keys, values = keys[k_start:], values[k_start:]
+        mask = attention_mask(positions, k_start, end, self.window)
         out = attend(q, keys, values, mask, a.attention_scale)
         return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
 

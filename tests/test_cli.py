@@ -1,0 +1,57 @@
+"""The ``strata`` command, run as a real child process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROMPT = "The capital of France is"
+
+
+def strata(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "strata_server.cli", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_generate_streams_the_greedy_continuation(model_file, engine):
+    expected = engine.generate(PROMPT, max_tokens=8, temperature=0).text
+    out = strata("generate", PROMPT, "--model", str(model_file), "--temperature", "0", "-n", "8", "--stats")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == PROMPT + expected + "\n"
+    assert "generated 8 tokens" in out.stderr
+
+
+def test_bad_sampling_value_is_one_line_before_loading(model_file):
+    out = strata("generate", PROMPT, "--model", str(model_file), "--temperature", "-1", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "strata: error: temperature must be at least 0, got -1.0"
+    assert out.stdout == ""
+
+
+def test_bad_model_path_is_one_line(tmp_path):
+    out = strata("generate", "hi", "--model", str(tmp_path / "missing.gguf"), timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing.gguf does not exist" in lines[0]
+
+
+def test_bad_argument_is_reported_by_argparse():
+    out = strata("generate", "hi", "--threads", "zero", timeout=60)
+    assert out.returncode == 2 and "expected a whole number" in out.stderr
+
+
+def test_info_describes_the_model(model_file):
+    out = strata("info", str(model_file), "--context", "8192")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for expected in ("architecture:    gemma3", "context length:  32768", "layers:          18",
+                     "4 query, 1 key/value", "Q8_0", "Q4_K", "36864 bytes per token", "8192 tokens: 288.0 MiB"):
+        assert expected in text, expected
+
+
+def test_chat_reads_turns_from_stdin(model_file):
+    out = strata("chat", "--model", str(model_file), "--temperature", "0", "-n", "8", stdin="Hello there\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() != ""

@@ -1,0 +1,151 @@
+"""The notebook API on the real default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import strata_runtime
+from strata_runtime import Completion, StrataError
+from strata_runtime.chat_template import ChatTemplateError
+
+PROMPT = "The capital of France is"
+
+
+def test_generate_returns_a_completion(engine, reference_llamacpp):
+    case = reference_llamacpp["greedy"][0]
+    out = engine.generate(PROMPT, max_tokens=12, temperature=0)
+    assert isinstance(out, Completion)
+    assert out.prompt_tokens == len(case["prompt_tokens"]) == 6
+    assert out.completion_tokens == len(out.tokens) == 12
+    assert out.finish_reason == "length"
+    assert out.text == engine.detokenize(out.tokens)
+    assert out.text.startswith(" the capital of")
+    assert out.prefill_seconds > 0 and out.decode_seconds > 0 and out.decode_tokens_per_second > 0
+
+
+def test_stream_yields_the_same_text(engine):
+    pieces = list(engine.stream(PROMPT, max_tokens=12, temperature=0))
+    assert len(pieces) > 1
+    assert "".join(pieces) == engine.generate(PROMPT, max_tokens=12, temperature=0).text
+
+
+def test_stop_string_ends_generation(engine):
+    full = engine.generate(PROMPT, max_tokens=20, temperature=0).text
+    assert "France" in full
+    out = engine.generate(PROMPT, max_tokens=20, temperature=0, stop=["France"])
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index("France")]
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    a = engine.generate(PROMPT, max_tokens=10, temperature=1.0, seed=42)
+    b = engine.generate(PROMPT, max_tokens=10, temperature=1.0, seed=42)
+    assert a.tokens == b.tokens
+
+
+def test_end_of_generation_token_ends_the_loop(engine):
+    from strata_runtime.generation import generate_tokens
+    from strata_runtime.sampling import Sampler, SamplingParams
+
+    prompt = engine.tokenize(PROMPT)
+    first = engine.generate(prompt, max_tokens=1, temperature=0).tokens[0]
+    cache = engine.model.new_cache(64)
+    with torch.inference_mode():
+        out = list(generate_tokens(engine.model, cache, prompt, Sampler(SamplingParams(temperature=0)), 10, frozenset({first})))
+    assert out == [first]
+
+
+def test_prefix_reuse_equals_a_cold_run(engine, model_file):
+    first = engine.generate("Once upon a time, in a small village,", max_tokens=4, temperature=0)
+    warm = engine.generate("Once upon a time, in a small village, there", max_tokens=8, temperature=0)
+    assert warm.cached_tokens >= first.prompt_tokens - 1
+    cold_engine_logits = engine.logits(engine.tokenize("Once upon a time, in a small village, there"))
+    assert warm.tokens[0] == int(cold_engine_logits[-1].argmax())
+
+
+def test_logits_do_not_disturb_the_live_sequence(engine):
+    before = engine.generate(PROMPT, max_tokens=6, temperature=0).tokens
+    engine.logits(engine.tokenize("Something else entirely"))
+    after = engine.generate(PROMPT, max_tokens=6, temperature=0)
+    assert after.tokens == before and after.cached_tokens == after.prompt_tokens - 1
+
+
+def test_chat_template_renders_gemma_turns(engine):
+    ids = engine.chat_prompt([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello"},
+    ])
+    text = engine.tokenizer.decode(ids, special=True)
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHello<end_of_turn>\n<start_of_turn>model\n"
+    assert ids.count(engine.tokenizer.bos_id) == 1
+    assert engine.tokenizer.ids["<start_of_turn>"] in ids
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([], "non-empty list"),
+    ([{"role": "robot", "content": "x"}], "role must be one of system, user, assistant"),
+    ([{"role": "user"}], "must be an object with 'role' and 'content'"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "must alternate"),
+])
+def test_bad_messages(engine, messages, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        engine.chat(messages, max_tokens=1)
+
+
+def test_props(engine, model_file):
+    p = engine.props()
+    assert p["architecture"] == "gemma3" and p["model"] == "Gemma 3 270m"
+    assert p["context_length"] == 2048 and p["model_context_length"] == 32768
+    assert p["dtype"] == "float32" and p["kv"] == "float32"
+    assert p["kv_bytes_per_token"] == 18 * 1 * (256 + 256) * 4
+    assert p["path"] == str(model_file)
+
+
+def test_tokenize_detokenize(engine):
+    ids = engine.tokenize("Hello world")
+    assert ids[0] == 2 and engine.detokenize(ids) == "Hello world"
+    assert engine.tokenize("Hello world", add_bos=False) == ids[1:]
+
+
+def test_bad_requests_are_clear_and_the_engine_keeps_serving(engine):
+    with pytest.raises(StrataError, match="prompt is empty"):
+        engine.generate([], max_tokens=1)
+    with pytest.raises(StrataError, match="token id 999999999 is out of range"):
+        engine.generate([2, 999999999], max_tokens=1)
+    with pytest.raises(StrataError, match="the context holds 2048"):
+        engine.generate([2] * 3000, max_tokens=1)
+    with pytest.raises(ValueError, match="temperature must be at least 0"):
+        engine.stream(PROMPT, temperature=-1)
+    with pytest.raises(TypeError, match="sampling options are"):
+        engine.generate(PROMPT, temprature=0)
+    assert engine.generate(PROMPT, max_tokens=3, temperature=0).completion_tokens == 3
+
+
+def test_generation_stops_at_the_context_end(model_file):
+    small = strata_runtime.load(model_file, context_length=16, progress=False)
+    out = small.generate(PROMPT, max_tokens=100, temperature=0)
+    assert out.finish_reason == "length"
+    assert out.prompt_tokens + out.completion_tokens == 16
+
+
+def test_unknown_load_option(model_file):
+    with pytest.raises(TypeError, match="unknown option.*dtpye.*load\\(\\) accepts"):
+        strata_runtime.load(model_file, dtpye="float32")
+    with pytest.raises(ValueError, match="dtype must be one of float32"):
+        strata_runtime.load(model_file, dtype="int3")
+
+
+def test_import_has_no_side_effects():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; n = torch.get_num_threads();"
+        "import strata_runtime, strata_kernels, strata_server;"
+        "assert 'triton' not in sys.modules, 'triton imported';"
+        "assert torch.get_num_threads() == n;"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

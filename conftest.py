@@ -27,6 +27,12 @@ def engine(model_file):
 
 
 @pytest.fixture(scope="session")
+def model_gguf(engine):
+    """The default model's open GGUFFile (parsing its header takes seconds: share it)."""
+    return engine.gguf
+
+
+@pytest.fixture(scope="session")
 def reference_float32() -> dict:
     return json.loads((DATA / "gemma-3-270m-q4_k_m.float32.json").read_text())
 

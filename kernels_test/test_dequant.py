@@ -63,10 +63,8 @@ def test_bad_shapes_are_clear_errors():
         QuantTensor(torch.zeros(1, 144, dtype=torch.int8), T.Q4_K, (1, 256))
 
 
-def test_real_model_tensors_match_gguf(model_file):
-    from strata_runtime.gguf_file import GGUFFile
-
-    gguf = GGUFFile.open(model_file)
+def test_real_model_tensors_match_gguf(model_gguf):
+    gguf = model_gguf
     seen = set()
     for name in gguf.tensor_names():
         qt = gguf.tensor(name)

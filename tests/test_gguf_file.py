@@ -13,8 +13,8 @@ from strata_runtime import ModelFileError
 from strata_runtime.gguf_file import GGUFFile, describe_types
 
 
-def test_real_model_config_and_tensors(model_file):
-    g = GGUFFile.open(model_file)
+def test_real_model_config_and_tensors(model_gguf):
+    g = model_gguf
     c = g.config
     assert (c.architecture, c.block_count, c.embedding_length) == ("gemma3", 18, 640)
     assert (c.head_count, c.head_count_kv, c.key_length, c.sliding_window) == (4, 1, 256, 512)
@@ -28,8 +28,8 @@ def test_real_model_config_and_tensors(model_file):
     assert types["Q4_K"][0] == 27 and sum(n for n, _ in types.values()) == 236
 
 
-def test_tensors_are_views_of_the_file_mapping(model_file):
-    g = GGUFFile.open(model_file)
+def test_tensors_are_views_of_the_file_mapping(model_gguf):
+    g = model_gguf
     emb = g.tensor("token_embd.weight")
     # No private copy of the 170 MiB table: its bytes lie inside the mapping.
     start = g.reader.data.ctypes.data

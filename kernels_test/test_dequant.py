@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 from helpers import random_quant_tensor, report_mismatch
 
-from strata_kernels import SUPPORTED_TYPES, QuantTensor, dequantize, dequantize_rows
+from strata_kernels import SUPPORTED_TYPES, QuantTensor, dequantize, embedding_rows
 
 ALL_TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.value)
 
@@ -45,7 +45,7 @@ def test_other_dtypes_are_the_float32_values_cast(qtype):
 def test_rows_lookup_equals_full_dequantize():
     qt = random_quant_tensor(T.Q6_K, 11, 2, 4)
     index = torch.tensor([[0, 10], [3, 3]])
-    assert torch.equal(dequantize_rows(qt, index), dequantize(qt)[index])
+    assert torch.equal(embedding_rows(qt, index), dequantize(qt)[index])
 
 
 def test_unsupported_type_names_the_supported_ones():

@@ -134,6 +134,32 @@ def test_unknown_load_option(model_file):
         strata_runtime.load(model_file, dtpye="float32")
     with pytest.raises(ValueError, match="dtype must be one of float32"):
         strata_runtime.load(model_file, dtype="int3")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+        strata_runtime.load(model_file, device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(model_file):
+    with pytest.raises(StrataError, match="torch sees no CUDA device; use device='cpu'"):
+        strata_runtime.load(model_file, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_model_runs_on_gguf_blocks_and_matches_the_cpu(engine, model_file, reference_float32):
+    from strata_runtime.layers import Linear
+
+    gpu = strata_runtime.load(model_file, device="cuda", progress=False, context_length=1024)
+    linears = [m for m in gpu.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+    for case in reference_float32["teacher_forced"]:
+        ours, cpu = gpu.logits(case["tokens"]), engine.logits(case["tokens"])
+        agree = float((ours.argmax(-1) == cpu.argmax(-1)).float().mean())
+        assert agree >= 0.99 and float((ours - cpu).abs().max()) < 0.05
+    same = sum(
+        gpu.generate(c["prompt_tokens"], max_tokens=16, temperature=0).tokens == c["generated"][:16]
+        for c in reference_float32["greedy"]
+    )
+    assert same >= 4
 
 
 def test_import_has_no_side_effects():

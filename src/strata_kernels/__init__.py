@@ -1,11 +1,16 @@
 """strata_kernels: pure functions on tensors for GGUF weights.
 
-Importing this package does no work: no device probing, no compilation.
+Importing this package does no work: no device probing, no compilation, and
+no import of triton, which loads only when a Triton backend first runs (so the
+interpreter can still be switched on, and the package imports where triton is
+not installed).
 """
 
-from .dequant import SUPPORTED_TYPES, dequantize, dequantize_rows
+from .dequant import SUPPORTED_TYPES, dequantize
 from .formats import BlockFormat, block_format
+from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
+from .reference import embedding_rows
 
 __all__ = [
     "BlockFormat",
@@ -13,5 +18,6 @@ __all__ = [
     "SUPPORTED_TYPES",
     "block_format",
     "dequantize",
-    "dequantize_rows",
+    "embedding_rows",
+    "qmatmul",
 ]

@@ -353,3 +353,14 @@ DEQUANTIZE_BLOCKS: dict[T, Callable[[Blocks], torch.Tensor]] = {
 def dequantize_blocks(blocks: Blocks, qtype: T) -> torch.Tensor:
     """``[n_blocks, type_size]`` uint8 -> ``[n_blocks, block_size]`` float32."""
     return DEQUANTIZE_BLOCKS[qtype](blocks)
+
+
+def embedding_rows(qt, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``index`` of a 2-D QuantTensor, dequantized: an embedding lookup
+    that never expands the whole table."""
+    from .formats import block_format
+
+    fmt = block_format(qt.qtype)
+    rows = qt.data[index.reshape(-1)]
+    values = dequantize_blocks(rows.reshape(-1, fmt.type_size), qt.qtype)
+    return values.reshape(*index.shape, qt.cols).to(dtype)

@@ -30,6 +30,7 @@ class EngineConfig:
     """The settings of one engine, fixed at load time."""
 
     dtype: str = "float32"
+    device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cache_dir: str | None = None  # where the default model is assembled
@@ -42,6 +43,12 @@ class EngineConfig:
             raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -87,6 +94,9 @@ def load(path: str | Path | None = None, **options: Any) -> "Engine":
     Options: see ``EngineConfig`` (``dtype="float32"`` is the exact path).
     """
     config = EngineConfig.from_options(options)
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise StrataError(f"device={config.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
     if path is None:
         path = default_model_path(config.cache_dir, progress=config.progress)
     gguf = GGUFFile.open(path)
@@ -98,10 +108,10 @@ def load(path: str | Path | None = None, **options: Any) -> "Engine":
 
         def weights(name: str):
             bar.update(1)
-            return gguf.tensor(name)
+            return gguf.tensor(name).to(device)
 
         with torch.inference_mode():
-            model = module.Model(args, weights, DTYPES[config.dtype])
+            model = module.Model(args, weights, DTYPES[config.dtype]).to(device)
     return Engine(gguf, model, tokenizer, config)
 
 
@@ -148,8 +158,9 @@ class Engine:
         tokens = self._check_tokens(tokens)
         cache = self.model.new_cache(len(tokens))
         with torch.inference_mode():
-            ids = torch.tensor(tokens, dtype=torch.long)
-            return self.model(ids, torch.arange(len(tokens)), cache).float()
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+            positions = torch.arange(len(tokens), device=self.model.device)
+            return self.model(ids, positions, cache).float().cpu()
 
     def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
         run = self._start(prompt, sampling)
@@ -189,6 +200,7 @@ class Engine:
             "model_context_length": c.context_length,
             "vocab_size": self.tokenizer.vocab.size,
             "dtype": self.config.dtype,
+            "device": str(self.model.device),
             "kv": "float32",
             "kv_bytes_per_token": self._cache.bytes_per_token(),
             "threads": torch.get_num_threads(),

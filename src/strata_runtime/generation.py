@@ -12,8 +12,8 @@ from .kv_cache import KVCache
 def prefill(model, cache: KVCache, tokens: Sequence[int]) -> torch.Tensor:
     """Run ``tokens`` after what ``cache`` holds; return the last position's logits ``[vocab]``."""
     start = cache.length
-    ids = torch.tensor(tokens, dtype=torch.long)
-    positions = torch.arange(start, start + len(tokens))
+    ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
+    positions = torch.arange(start, start + len(tokens), device=model.device)
     return model(ids, positions, cache, last_only=True)[0]
 
 

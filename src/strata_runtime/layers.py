@@ -9,27 +9,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata_kernels import QuantTensor, dequantize
+from strata_kernels import QuantTensor, dequantize, embedding_rows, qmatmul
+
+
+def keeps_blocks(weight: QuantTensor) -> bool:
+    """Weights on a GPU stay as GGUF blocks and run through the Triton kernels;
+    on the CPU they are dequantized once, at load time."""
+    return weight.device.type == "cuda"
 
 
 class Linear(nn.Module):
     """``y = x @ W.T`` for a GGUF weight of logical shape ``[out, in]``.
 
-    Invariant: ``weight`` is the exact dequantization of the GGUF blocks in
-    ``dtype`` (float32 reproduces the reference implementation bit for bit
-    in the weights).
+    Invariant: exactly one of ``qweight`` (the GGUF blocks, on a GPU, read by
+    ``qmatmul`` without a dense copy) and ``weight`` (the exact dequantization
+    in ``dtype``, on the CPU) is set.
     """
 
     def __init__(self, weight: QuantTensor, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+        if keeps_blocks(weight):
+            self.qweight: QuantTensor | None = weight
+            self.weight = None
+        else:
+            self.qweight = None
+            self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if self.qweight is None:
+            return F.linear(x, self.weight)
+        flat = x.reshape(-1, x.shape[-1])
+        return qmatmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows)
+
+
+class TiedEmbedding(nn.Module):
+    """The token table, used both to embed tokens and, transposed, to score
+    them. Same storage rule as ``Linear``: GGUF blocks on a GPU (rows are
+    dequantized as they are looked up), the exact dense table on the CPU."""
+
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
+        super().__init__()
+        self.out = Linear(weight, dtype)
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.out.qweight is None:
+            return self.out.weight[tokens]
+        return embedding_rows(self.out.qweight, tokens, self.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
 
 
 class RMSNorm(nn.Module):

@@ -69,7 +69,9 @@ class Sampler:
         """``logits`` ``[vocab]`` float32 for the next position; ``history`` the
         tokens so far (prompt included), for the penalties."""
         p = self.params
-        logits = apply_penalties(logits, history, p)
+        # Sampling runs on the CPU: one copy of the logits per token beats a
+        # device sync per filter.
+        logits = apply_penalties(logits.float().cpu(), history, p)
         if p.greedy:
             return int(torch.argmax(logits))
         candidates = torch.arange(logits.shape[0])

@@ -32,6 +32,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL"),
                    help="path of a .gguf file (default: the embedded Gemma 3 270M)")
     g.add_argument("--dtype", default="float32", choices=["float32"], help="compute path (float32: exact)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (on a GPU, matmuls read the GGUF blocks)")
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: torch's)")
 
@@ -95,6 +96,7 @@ def _load(args: argparse.Namespace):
     return load(
         args.model,
         dtype=args.dtype,
+        device=args.device,
         context_length=args.context_length,
         threads=args.threads,
         cache_dir=os.environ.get("STRATA_CACHE_DIR"),

@@ -14,11 +14,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from strata_kernels import QuantTensor, dequantize
-
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import Linear, RMSNorm, apply_rope, attend, attention_mask, gelu_tanh, rope_inverse_frequencies
+from ..layers import (
+    Linear,
+    RMSNorm,
+    TiedEmbedding,
+    apply_rope,
+    attend,
+    attention_mask,
+    gelu_tanh,
+    rope_inverse_frequencies,
+)
 
 
 @dataclass(frozen=True)
@@ -142,22 +149,24 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
-        embedding: QuantTensor = weights("token_embd.weight")
-        # Tied: the same table embeds tokens and, transposed, scores them.
-        self.embedding = nn.Parameter(dequantize(embedding, dtype), requires_grad=False)
-        self.embed_scale = torch.tensor(math.sqrt(args.hidden_size), dtype=dtype)
+        self.embedding = TiedEmbedding(weights("token_embd.weight"), dtype)
+        self.register_buffer("embed_scale", torch.tensor(math.sqrt(args.hidden_size), dtype=dtype), persistent=False)
         self.layers = nn.ModuleList(Block(args, i, weights, dtype) for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        x = self.embedding[tokens] * self.embed_scale
+        x = self.embedding(tokens) * self.embed_scale
         for block in self.layers:
             x = block(x, positions, cache)
         cache.advance(tokens.shape[0])
         if last_only:
             x = x[-1:]
-        return (self.norm(x) @ self.embedding.T).float()
+        return self.embedding.logits(self.norm(x)).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def new_cache(self, max_tokens: int, dtype: torch.dtype = torch.float32) -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens, dtype, self.embedding.device)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens, dtype, self.device)

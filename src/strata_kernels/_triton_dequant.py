@@ -1,0 +1,57 @@
+"""Triton dequantization of GGUF blocks (imported only when the Triton backend runs)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_unpack import TRITON_TABLES, weight_tile
+from .formats import block_format, lookup_table
+from .launch import launch_settings
+from .quant_tensor import QuantTensor
+
+
+@triton.jit
+def _dequantize_kernel(
+    blocks, out, N, K, row_bytes, stride_out,
+    grid_ptr, signs_ptr, values_ptr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # blocks: uint8 [N, row_bytes], rows contiguous at stride row_bytes
+    # out:    [N, K] (float32/16, bf16), row stride stride_out, unit column stride
+    # grid:   (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)); program (pn, pk) writes
+    #         rows pn*BLOCK_N.. and columns pk*BLOCK_K.. of out
+    pn = tl.program_id(0).to(tl.int64)
+    pk = tl.program_id(1).to(tl.int64)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)[:, None]
+    k = pk * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)[None, :]
+    inside = (n < N) & (k < K)
+    w = weight_tile(blocks, row_bytes, tl.minimum(n, N - 1), tl.minimum(k, K - 1),
+                    grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS)
+    tl.store(out + n * stride_out + k, w.to(out.dtype.element_ty), mask=inside)
+
+
+def table_args(qt: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lookup tables a type reads, on the weight's device (a 1-byte
+    placeholder where a type reads none)."""
+    names = TRITON_TABLES.get(int(qt.qtype))
+    if names is None:
+        raise NotImplementedError(f"no Triton kernel reads {qt.qtype.name}")
+    placeholder = torch.zeros(1, dtype=torch.uint8, device=qt.device)
+    return tuple(lookup_table(name, qt.device) if name else placeholder for name in names)
+
+
+def dequantize_triton(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    fmt = block_format(qt.qtype)
+    n, k = qt.rows, qt.cols
+    out = torch.empty((n, k), dtype=dtype, device=qt.device)
+    s = launch_settings("dequantize", 0, n, k, fmt.block_size)
+    grid = (triton.cdiv(n, s.block_n), triton.cdiv(k, s.block_k))
+    _dequantize_kernel[grid](
+        qt.data, out, n, k, qt.data.stride(0), out.stride(0), *table_args(qt),
+        QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size,
+        BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps,
+    )
+    return out.reshape(qt.shape)

@@ -1,0 +1,107 @@
+"""Triton ``x @ W.T`` reading W's GGUF blocks directly (imported only when the
+Triton backend runs)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_dequant import table_args
+from ._triton_unpack import weight_tile
+from .formats import block_format
+from .launch import GEMV_MAX_M, launch_settings
+from .quant_tensor import QuantTensor
+
+
+@triton.jit
+def _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0, grid_ptr, signs_ptr, values_ptr,
+            QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step: activations ``[BLOCK_M, BLOCK_K]`` (x's dtype) and weights
+    ``[BLOCK_N, BLOCK_K]`` (float32), zero beyond K and beyond M."""
+    k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    k_in = k < K
+    w = weight_tile(blocks, row_bytes, n_safe, tl.minimum(k, K - 1)[None, :],
+                    grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS)
+    w = tl.where(k_in[None, :], w, 0.0)
+    xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & k_in[None, :], other=0.0)
+    return xs, w
+
+
+@triton.jit
+def _gemv_kernel(
+    x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om,
+    grid_ptr, signs_ptr, values_ptr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # x:      [M, K] activations, row stride stride_xm, unit column stride; M <= BLOCK_M
+    # blocks: uint8 [N, row_bytes], the GGUF rows of W (logical [N, K])
+    # out:    [M, N], row stride stride_om
+    # grid:   (cdiv(N, BLOCK_N),); each program reads its BLOCK_N weight rows
+    #         once, unpacks them in registers and reduces against all M rows of x
+    pn = tl.program_id(0).to(tl.int64)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    m = tl.arange(0, BLOCK_M).to(tl.int64)
+    n_safe = tl.minimum(n, N - 1)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xs, w = _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0,
+                        grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, BLOCK_K)
+        acc += tl.sum(xs.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    mask = (m[:, None] < M) & (n[None, :] < N)
+    tl.store(out + m[:, None] * stride_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(
+    x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om,
+    grid_ptr, signs_ptr, values_ptr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # x:      [M, K] activations, row stride stride_xm, unit column stride
+    # blocks: uint8 [N, row_bytes], the GGUF rows of W (logical [N, K])
+    # out:    [M, N], row stride stride_om
+    # grid:   (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); program (pm, pn) owns one
+    #         output tile; each K step dequantizes a [BLOCK_N, BLOCK_K] weight
+    #         tile in registers (in x's dtype) and feeds it to tl.dot
+    pm = tl.program_id(0).to(tl.int64)
+    pn = tl.program_id(1).to(tl.int64)
+    m = pm * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    n_safe = tl.minimum(n, N - 1)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xs, w = _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0,
+                        grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, BLOCK_K)
+        acc = tl.dot(xs, tl.trans(w.to(x.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
+    mask = (m[:, None] < M) & (n[None, :] < N)
+    tl.store(out + m[:, None] * stride_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+def qmatmul_triton(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    fmt = block_format(qt.qtype)
+    x = x.contiguous()
+    m, k = x.shape
+    n = qt.rows
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    common = (x, qt.data, out, m, n, k, x.stride(0), qt.data.stride(0), out.stride(0), *table_args(qt))
+    consts = dict(QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size)
+    if m <= GEMV_MAX_M:
+        s = launch_settings("gemv", m, n, k, fmt.block_size)
+        _gemv_kernel[(triton.cdiv(n, s.block_n),)](
+            *common, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps
+        )
+    else:
+        s = launch_settings("gemm", m, n, k, fmt.block_size)
+        # float32 inputs keep full precision (no TF32); half types use the tensor cores as they are.
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        _gemm_kernel[(triton.cdiv(m, s.block_m), triton.cdiv(n, s.block_n))](
+            *common, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k,
+            DOT_PRECISION=precision, num_warps=s.num_warps,
+        )
+    return out

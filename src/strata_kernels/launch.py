@@ -1,0 +1,68 @@
+"""Backend choice and launch settings for every kernel, in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+# qmatmul: at most this many rows of x take the GEMV path (weights unpacked in
+# registers, products reduced per row); more take the GEMM path (dequantized
+# tiles into tl.dot). Provisional: bench/kernels.py times both paths for
+# M in {1, 8, 64, 512}; set this from its figures on the target GPU.
+GEMV_MAX_M = 8
+
+
+def resolve_backend(device: torch.device, backend: str) -> str:
+    """``auto``: CUDA tensors go to Triton, CPU tensors to torch. ``triton`` on
+    CPU tensors runs under the Triton interpreter, which must be switched on
+    before triton is first imported."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported, or use backend='torch'"
+        )
+    if backend == "triton" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend='triton' runs on CUDA (or the CPU interpreter), not on {device.type}")
+    return backend
+
+
+@dataclass(frozen=True)
+class Launch:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_settings(op: str, m: int, n: int, k: int, block_size: int) -> Launch:
+    """Tile sizes and warps for ``op`` in {"dequantize", "gemv", "gemm"} on an
+    ``[m, k] x [n, k]^T`` problem whose weights come in blocks of ``block_size``."""
+    if n < 1 or k < 1 or m < 0:
+        raise ValueError(f"sizes must be positive, got M={m}, N={n}, K={k}")
+    if k % block_size:
+        raise ValueError(f"K={k} is not a multiple of the block size {block_size}")
+    if n * k >= 2**40:
+        raise ValueError(f"a {n}x{k} weight is beyond what these kernels index (2**40 elements)")
+    # One tile of K spans whole blocks: a 256-weight super-block, or 4 small blocks.
+    block_k = min(256 if block_size == 256 else 128, _pow2_at_least(k))
+    if op == "dequantize":
+        return Launch(1, 16, block_k, 4)
+    if op == "gemv":
+        if m > GEMV_MAX_M:
+            raise ValueError(f"the GEMV path takes at most {GEMV_MAX_M} rows, got {m}")
+        return Launch(_pow2_at_least(max(1, m)), 16, block_k, 4)
+    if op == "gemm":
+        return Launch(min(64, max(16, _pow2_at_least(m))), 64, 64, 4)
+    raise ValueError(f"unknown op {op!r}")

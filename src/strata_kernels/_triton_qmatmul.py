@@ -81,7 +81,9 @@ def _gemm_kernel(
     tl.store(out + m[:, None] * stride_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
-def qmatmul_triton(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+def qmatmul_triton(x: torch.Tensor, qt: QuantTensor, path: str | None = None) -> torch.Tensor:
+    """``path``: None picks GEMV for at most ``GEMV_MAX_M`` rows, else GEMM;
+    "gemv" or "gemm" forces one (the benchmark times both)."""
     fmt = block_format(qt.qtype)
     x = x.contiguous()
     m, k = x.shape
@@ -91,7 +93,9 @@ def qmatmul_triton(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
         return out
     common = (x, qt.data, out, m, n, k, x.stride(0), qt.data.stride(0), out.stride(0), *table_args(qt))
     consts = dict(QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size)
-    if m <= GEMV_MAX_M:
+    if path is None:
+        path = "gemv" if m <= GEMV_MAX_M else "gemm"
+    if path == "gemv":
         s = launch_settings("gemv", m, n, k, fmt.block_size)
         _gemv_kernel[(triton.cdiv(n, s.block_n),)](
             *common, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps

@@ -47,7 +47,9 @@ def test_info_describes_the_model(model_file):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for expected in ("architecture:    gemma3", "context length:  32768", "layers:          18",
-                     "4 query, 1 key/value", "Q8_0", "Q4_K", "36864 bytes per token", "8192 tokens: 288.0 MiB"):
+                     "4 query, 1 key/value", "Q8_0", "Q4_K", "context of 8192 tokens",
+                     "f16     18432 bytes per token (1.000x f16), 144.0 MiB",
+                     "int8     9504 bytes per token (0.516x f16)", "k8v4     7344 bytes per token (0.398x f16)"):
         assert expected in text, expected
 
 

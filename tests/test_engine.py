@@ -97,7 +97,7 @@ def test_props(engine, model_file):
     p = engine.props()
     assert p["architecture"] == "gemma3" and p["model"] == "Gemma 3 270m"
     assert p["context_length"] == 2048 and p["model_context_length"] == 32768
-    assert p["dtype"] == "float32" and p["kv"] == "float32"
+    assert p["dtype"] == "float32" and p["kv"] == "f16" and p["kv_storage"] == "float32"
     assert p["kv_bytes_per_token"] == 18 * 1 * (256 + 256) * 4
     assert p["path"] == str(model_file)
 

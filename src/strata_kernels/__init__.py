@@ -6,13 +6,20 @@ interpreter can still be switched on, and the package imports where triton is
 not installed).
 """
 
+from .attention import attention
 from .dequant import SUPPORTED_TYPES, dequantize
 from .formats import BlockFormat, block_format
+from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write
 from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
 from .reference import embedding_rows
 
 __all__ = [
+    "KV_FORMATS",
+    "KVStore",
+    "attention",
+    "kv_read",
+    "kv_write",
     "BlockFormat",
     "QuantTensor",
     "SUPPORTED_TYPES",

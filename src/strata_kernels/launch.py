@@ -66,3 +66,24 @@ def launch_settings(op: str, m: int, n: int, k: int, block_size: int) -> Launch:
     if op == "gemm":
         return Launch(min(64, max(16, _pow2_at_least(m))), 64, 64, 4)
     raise ValueError(f"unknown op {op!r}")
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    splits: int
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def attention_settings(t: int, group: int, n_slots: int, head_dim: int) -> AttentionLaunch:
+    """Decode (one query): rows are the heads of a group; the context is split
+    so that about 64 programs per KV head share it. Prefill: query tiles,
+    one pass over the context each."""
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 512:
+        raise ValueError(f"attention kernels need a power-of-two head dim in [16, 512], got {head_dim}")
+    block_n = 32 if head_dim >= 256 else 64
+    if t == 1:
+        splits = max(1, min(64, n_slots // 256))
+        return AttentionLaunch(splits, max(16, _pow2_at_least(group)), block_n, 4)
+    return AttentionLaunch(1, 32 if head_dim >= 256 else 64, block_n, 4)

@@ -364,3 +364,98 @@ def embedding_rows(qt, index: torch.Tensor, dtype: torch.dtype = torch.float32) 
     rows = qt.data[index.reshape(-1)]
     values = dequantize_blocks(rows.reshape(-1, fmt.type_size), qt.qtype)
     return values.reshape(*index.shape, qt.cols).to(dtype)
+
+
+# --- KV cache formats ----------------------------------------------------------
+
+def kv_quantize(x: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` ``[T, Hkv, D]`` -> (codes, float16 scales) in ``fmt``: "f16" (the
+    values in ``dtype``), "int8" (groups of 64, scale max|x|/127) or "int4"
+    (blocks of 32, scale max|x|/7, two codes a byte, low nibble first)."""
+    if fmt == "f16":
+        return x.to(dtype), None
+    group = 64 if fmt == "int8" else 32
+    qmax = 127.0 if fmt == "int8" else 7.0
+    t, h, d = x.shape
+    g = x.float().reshape(t, h, d // group, group)
+    scales = (g.abs().amax(-1) / qmax).to(torch.float16)
+    # Divide by the stored (float16) scale so codes and scale agree exactly.
+    s = scales.float().unsqueeze(-1)
+    codes = round_half_away(torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)).clamp(-qmax, qmax)
+    if fmt == "int8":
+        return codes.to(torch.int8).reshape(t, h, d), scales
+    nib = (codes + 8).to(torch.uint8).reshape(t, h, d // 2, 2)
+    return nib[..., 0] | (nib[..., 1] << 4), scales
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest, ties away from zero (what the Triton kernel does too)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def kv_dequantize(store, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys and values ``[n, Hkv, D]`` of ``store`` at ``slots``, as
+    stored (k8v4 values stay in the rotated basis)."""
+    d = store.head_dim
+    k, v = store.k[slots], store.v[slots]
+    if store.fmt == "f16":
+        return k.float(), v.float()
+    n, h = k.shape[0], k.shape[1]
+    k = (k.float().reshape(n, h, d // 64, 64) * store.k_scales[slots].float().unsqueeze(-1)).reshape(n, h, d)
+    if store.fmt == "int8":
+        v = (v.float().reshape(n, h, d // 64, 64) * store.v_scales[slots].float().unsqueeze(-1)).reshape(n, h, d)
+        return k, v
+    nib = torch.stack([v & 15, v >> 4], dim=-1).reshape(n, h, d).float() - 8
+    v = (nib.reshape(n, h, d // 32, 32) * store.v_scales[slots].float().unsqueeze(-1)).reshape(n, h, d)
+    return k, v
+
+
+def slot_positions(end: int, capacity: int, slots: torch.Tensor) -> torch.Tensor:
+    """The position each ring slot holds once positions ``0..end-1`` have been
+    written (negative: never written)."""
+    return (end - 1) - torch.remainder(end - 1 - slots, capacity)
+
+
+def attention(q: torch.Tensor, store, start: int, window: int | None, scale: float,
+              chunk: int = 1024) -> torch.Tensor:
+    """Causal grouped-query attention of queries ``q`` ``[T, H, D]`` at
+    positions ``start..start+T-1`` over the cache ``store`` holding positions
+    up to ``start+T-1``; keys further back than ``window`` are masked. Keys are
+    dequantized ``chunk`` slots at a time with an online softmax, never the
+    whole cache at once. Returns ``[T, H, D]`` float32 (k8v4 rotated back)."""
+    t, h, d = q.shape
+    hkv = store.kv_heads
+    g = h // hkv
+    end = start + t
+    n_slots = min(store.capacity, end)
+    qf = q.float().reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
+    q_pos = torch.arange(start, end, device=q.device).repeat(g)  # [G*T], matching qf's rows
+    m = torch.full((hkv, g * t, 1), float("-inf"), device=q.device)
+    l = torch.zeros((hkv, g * t, 1), device=q.device)
+    acc = torch.zeros((hkv, g * t, d), device=q.device)
+    for c0 in range(0, n_slots, chunk):
+        slots = torch.arange(c0, min(n_slots, c0 + chunk), device=q.device)
+        k, v = kv_dequantize(store, slots)
+        k_pos = slot_positions(end, store.capacity, slots)
+        allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+        if window is not None:
+            allowed &= q_pos[:, None] - k_pos[None, :] < window
+        scores = torch.matmul(qf, k.permute(1, 2, 0)) * scale  # [Hkv, G*T, n]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+        p = torch.exp(scores - safe)
+        correction = torch.exp(torch.where(torch.isinf(m), float("-inf"), m - safe))
+        l = l * correction + p.sum(-1, keepdim=True)
+        acc = acc * correction + torch.matmul(p, v.permute(1, 0, 2))
+        m = m_new
+    out = (acc / l).reshape(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d)
+    if store.fmt == "k8v4":
+        out = out @ hadamard_matrix(d, out.device)
+    return out
+
+
+def hadamard_matrix(d: int, device) -> torch.Tensor:
+    from .kv_quant import hadamard
+
+    return hadamard(d, device)

@@ -14,9 +14,9 @@ from tqdm.auto import tqdm
 from .chat_template import ChatTemplate, ChatTemplateError
 from .default_model import default_model_path
 from .errors import StrataError
-from .generation import generate_tokens
+from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
-from .kv_cache import KVCache
+from .kv_cache import KV_FORMATS, KVCache
 from .models import model_module
 from .sampling import Sampler, SamplingParams
 from .text_stream import StopTextStream
@@ -31,6 +31,7 @@ class EngineConfig:
 
     dtype: str = "float32"
     device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
+    kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU), int8, k8v4
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cache_dir: str | None = None  # where the default model is assembled
@@ -43,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        if self.kv not in KV_FORMATS:
+            raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         try:
             kind = torch.device(self.device).type
         except (RuntimeError, TypeError):
@@ -137,7 +140,7 @@ class Engine:
             _token_text(tokenizer, tokenizer.bos_id),
             _token_text(tokenizer, tokenizer.eos_id),
         )
-        self._cache: KVCache = model.new_cache(self.context_length)
+        self._cache: KVCache = self.new_cache(self.context_length)
         self._cache_tokens: list[int] = []
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
@@ -152,15 +155,17 @@ class Engine:
 
     # --- model ------------------------------------------------------------
 
+    def new_cache(self, max_tokens: int) -> KVCache:
+        """An empty cache of this engine's format for ``max_tokens`` positions."""
+        return self.model.new_cache(max_tokens, self.config.kv)
+
     def logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits ``[len(tokens), vocab]`` (float32) from an empty
         state: row ``i`` predicts token ``i + 1``. The live sequence is untouched."""
         tokens = self._check_tokens(tokens)
-        cache = self.model.new_cache(len(tokens))
+        cache = self.new_cache(len(tokens))
         with torch.inference_mode():
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-            positions = torch.arange(len(tokens), device=self.model.device)
-            return self.model(ids, positions, cache).float().cpu()
+            return forward_chunks(self.model, cache, tokens, last_only=False).float().cpu()
 
     def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
         run = self._start(prompt, sampling)
@@ -201,8 +206,10 @@ class Engine:
             "vocab_size": self.tokenizer.vocab.size,
             "dtype": self.config.dtype,
             "device": str(self.model.device),
-            "kv": "float32",
+            "kv": self.config.kv,
+            "kv_storage": str(self._cache.stores[0].k.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self._cache.bytes_per_token(),
+            "kv_bytes": self._cache.nbytes,
             "threads": torch.get_num_threads(),
             "chat_template": None if self.chat_template is None else self.chat_template.origin,
             "settings": dataclasses.asdict(self.config),
@@ -242,8 +249,7 @@ class Engine:
             if a != b:
                 break
             shared += 1
-        shared = min(shared, len(prompt) - 1)
-        self._cache.trim(shared)
+        shared = self._cache.trim(min(shared, len(prompt) - 1))
         self._cache_tokens = self._cache_tokens[:shared]
         return shared
 

@@ -6,15 +6,28 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import PREFILL_CHUNK, KVCache
+
+
+def forward_chunks(model, cache: KVCache, tokens: Sequence[int], last_only: bool) -> torch.Tensor:
+    """Run ``tokens`` after what ``cache`` holds, ``PREFILL_CHUNK`` at a time
+    (the sliding-window rings are sized for that); logits of every position
+    ``[T, vocab]``, or of the last one ``[1, vocab]``."""
+    outputs = []
+    for c0 in range(0, len(tokens), PREFILL_CHUNK):
+        chunk = tokens[c0:c0 + PREFILL_CHUNK]
+        start = cache.length
+        ids = torch.tensor(chunk, dtype=torch.long, device=model.device)
+        positions = torch.arange(start, start + len(chunk), device=model.device)
+        logits = model(ids, positions, cache, last_only=last_only)
+        if not last_only or c0 + PREFILL_CHUNK >= len(tokens):
+            outputs.append(logits)
+    return torch.cat(outputs)
 
 
 def prefill(model, cache: KVCache, tokens: Sequence[int]) -> torch.Tensor:
     """Run ``tokens`` after what ``cache`` holds; return the last position's logits ``[vocab]``."""
-    start = cache.length
-    ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
-    positions = torch.arange(start, start + len(tokens), device=model.device)
-    return model(ids, positions, cache, last_only=True)[0]
+    return forward_chunks(model, cache, tokens, last_only=True)[-1]
 
 
 def decode_step(model, cache: KVCache, token: int) -> torch.Tensor:

@@ -1,44 +1,58 @@
-"""The KV cache of one sequence."""
+"""The KV cache of one sequence, in a chosen format."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from strata_kernels import KV_FORMATS, KVStore, attention, kv_write
+from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 
-def kv_bytes_per_token(config, bytes_per_value: int) -> int:
-    """Bytes one token of context costs across all layers (keys and values)."""
-    per_layer = config.head_count_kv * (config.key_length + config.value_length)
-    return config.block_count * per_layer * bytes_per_value
+# Prefill runs in chunks of at most this many tokens, so a sliding-window
+# layer's ring needs only its window plus one chunk of slots.
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What ``KVCache.export`` returns: ``length`` and, per layer, the slots
+    holding positions ``max(0, length - capacity) .. length - 1`` as stored
+    (quantized formats stay quantized), ordered by position."""
+
+    fmt: str
+    length: int
+    layers: list[dict[str, torch.Tensor]]
 
 
 class KVCache:
-    """Keys and values of every layer of one sequence, in storage sized once.
+    """Keys and values of every layer of one sequence.
 
-    Invariant: for each layer ``l``, ``keys[l, :length]`` and
-    ``values[l, :length]`` hold the keys and values of positions
-    ``0 .. length-1``, written in place by position; nothing beyond
-    ``length`` is meaningful. Storage is allocated once, at construction,
-    for ``max_tokens`` positions, so a long generation never reallocates.
+    Invariant: layer ``l`` holds positions ``max(0, length - capacity_l) ..
+    length - 1``, position ``p`` in slot ``p % capacity_l`` of its store.
+    Full-attention layers have ``max_tokens`` slots (they never wrap);
+    sliding-window layers have ``window + PREFILL_CHUNK`` (fewer if
+    ``max_tokens`` is smaller), which is all a chunk of queries can reach.
+    Storage is allocated once, here.
     """
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_tokens: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ):
-        shape = (n_layers, max_tokens, n_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, fmt: str, windows: list[int | None], kv_heads: int, head_dim: int, max_tokens: int,
+                 device: torch.device | str = "cpu", float_dtype: torch.dtype | None = None):
+        if fmt not in KV_FORMATS:
+            raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
+        self.fmt = fmt
+        self.windows = list(windows)
         self.max_tokens = max_tokens
+        self.stores = [
+            KVStore.allocate(fmt, _capacity(w, max_tokens), kv_heads, head_dim, device, float_dtype)
+            for w in self.windows
+        ]
         self.length = 0
 
-    def update_and_fetch(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor):
-        """Write ``keys``/``values`` ``[T, Hkv, D]`` at positions ``start..start+T-1``
-        of ``layer`` and return that layer's keys and values for ``0..start+T-1``."""
+    # --- writing and reading ----------------------------------------------
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize-on-write ``[T, Hkv, D]`` keys/values at positions ``start..start+T-1``."""
         end = start + keys.shape[0]
         if start != self.length:
             raise ValueError(f"cache holds {self.length} positions; cannot write at {start}")
@@ -47,24 +61,83 @@ class KVCache:
                 f"the sequence needs {end} positions but the cache holds {self.max_tokens}; "
                 f"load the model with a larger context_length"
             )
-        self.keys[layer, start:end] = keys
-        self.values[layer, start:end] = values
-        return self.keys[layer, :end], self.values[layer, :end]
+        positions = torch.arange(start, end, device=keys.device)
+        kv_write(self.stores[layer], positions, keys, values)
+
+    def attend(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """Attention of queries ``[T, H, D]`` at ``start..`` over this layer (written up to ``start+T-1``)."""
+        return attention(q, self.stores[layer], start, self.windows[layer], scale)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions written (after every layer has written them)."""
         self.length += n
 
-    def trim(self, length: int) -> None:
-        """Forget positions from ``length`` on."""
-        self.length = min(self.length, max(0, length))
+    # --- cutting back -------------------------------------------------------
+
+    def trim(self, length: int) -> int:
+        """Forget positions from ``length`` on, where every layer can; return
+        the new length. A ring that has already overwritten what the kept
+        prefix needs cannot be cut back: then the cache empties (0)."""
+        length = min(self.length, max(0, length))
+        for w, store in zip(self.windows, self.stores):
+            oldest_kept = self.length - store.capacity
+            # The next query (at ``length``) reaches back to ``length - w + 1``.
+            if w is not None and oldest_kept > max(0, length - w + 1):
+                length = 0
+                break
+        self.length = length
+        return length
 
     def reset(self) -> None:
         self.length = 0
 
+    # --- size -----------------------------------------------------------------
+
     @property
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
+        return sum(s.nbytes for s in self.stores)
 
     def bytes_per_token(self) -> int:
-        return self.nbytes // self.max_tokens
+        """What one more token of context costs, all layers, scales included."""
+        return sum(s.bytes_per_slot() for s in self.stores)
+
+    # --- export / import ------------------------------------------------------
+
+    def export(self) -> CacheSnapshot:
+        layers = []
+        for store in self.stores:
+            first = max(0, self.length - store.capacity)
+            slots = torch.arange(first, self.length, device=store.k.device) % store.capacity
+            layers.append({name: t[slots].clone() for name, t in _fields(store).items()})
+        return CacheSnapshot(self.fmt, self.length, layers)
+
+    def import_(self, snapshot: CacheSnapshot) -> None:
+        if snapshot.fmt != self.fmt or len(snapshot.layers) != len(self.stores):
+            raise ValueError(f"a {snapshot.fmt} snapshot of {len(snapshot.layers)} layers does not fit this "
+                             f"{self.fmt} cache of {len(self.stores)} layers")
+        if snapshot.length > self.max_tokens:
+            raise ValueError(f"the snapshot holds {snapshot.length} positions; this cache holds {self.max_tokens}")
+        for store, saved in zip(self.stores, snapshot.layers):
+            first = max(0, snapshot.length - store.capacity)
+            slots = torch.arange(first, snapshot.length, device=store.k.device) % store.capacity
+            for name, t in _fields(store).items():
+                if saved[name].shape[0] != slots.shape[0]:
+                    raise ValueError("the snapshot's layers were taken with different capacities")
+                t[slots] = saved[name].to(t.device)
+        self.length = snapshot.length
+
+
+def _capacity(window: int | None, max_tokens: int) -> int:
+    return max_tokens if window is None else min(max_tokens, window + PREFILL_CHUNK)
+
+
+def _fields(store: KVStore) -> dict[str, torch.Tensor]:
+    out = {"k": store.k, "v": store.v}
+    if store.k_scales is not None:
+        out.update(k_scales=store.k_scales, v_scales=store.v_scales)
+    return out
+
+
+def format_bytes_per_token(fmt: str, n_layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
+    """Bytes per token of context for a model in ``fmt`` (every layer counted)."""
+    return n_layers * layer_bytes_per_token(fmt, kv_heads, head_dim, float_bytes)

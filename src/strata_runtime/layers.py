@@ -1,9 +1,7 @@
-"""Building blocks shared by the model files: linear layers over GGUF
-weights, RMSNorm, rotary embeddings, attention over a KV cache."""
+"""Building blocks shared by the model files: linear layers and embeddings
+over GGUF weights, RMSNorm, rotary embeddings."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -92,30 +90,5 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return x * cos + rotated * sin
 
 
-def attention_mask(q_positions: torch.Tensor, k_start: int, k_end: int, window: int | None) -> torch.Tensor:
-    """``[T, k_end - k_start]`` booleans, True where query i may attend the key
-    at position ``k_start + j``: causal, and within ``window`` positions when
-    the layer slides."""
-    k_positions = torch.arange(k_start, k_end, device=q_positions.device)
-    allowed = k_positions[None, :] <= q_positions[:, None]
-    if window is not None:
-        allowed &= q_positions[:, None] - k_positions[None, :] < window
-    return allowed
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention. ``q`` ``[T, H, D]``, ``k``/``v`` ``[L, Hkv, D]``
-    with ``H`` a multiple of ``Hkv``, ``mask`` ``[T, L]``; returns ``[T, H, D]``."""
-    # enable_gqa shares each key/value head with its query group without copying it.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
-
-
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
-
-
-def default_attention_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

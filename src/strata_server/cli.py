@@ -34,6 +34,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32"], help="compute path (float32: exact)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (on a GPU, matmuls read the GGUF blocks)")
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
+    g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")
     g.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: torch's)")
 
 
@@ -97,6 +98,7 @@ def _load(args: argparse.Namespace):
         args.model,
         dtype=args.dtype,
         device=args.device,
+        kv=args.kv,
         context_length=args.context_length,
         threads=args.threads,
         cache_dir=os.environ.get("STRATA_CACHE_DIR"),
@@ -167,7 +169,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.default_model import default_model_path
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
-    from strata_runtime.kv_cache import kv_bytes_per_token
+    from strata_runtime.kv_cache import format_bytes_per_token
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
     gguf = GGUFFile.open(path)
@@ -187,9 +189,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("tensors:")
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")
-    per_token = kv_bytes_per_token(c, bytes_per_value=4)
-    print(f"KV cache (float32): {per_token} bytes per token; "
-          f"{context} tokens: {per_token * context / MiB:.1f} MiB")
+    print(f"KV cache for a context of {context} tokens (all layers, scales included):")
+    f16 = format_bytes_per_token("f16", c.block_count, c.head_count_kv, c.key_length)
+    for fmt in ("f16", "int8", "k8v4"):
+        per_token = format_bytes_per_token(fmt, c.block_count, c.head_count_kv, c.key_length)
+        print(f"  {fmt:<5} {per_token:>7} bytes per token ({per_token / f16:.3f}x f16), "
+              f"{per_token * context / MiB:.1f} MiB")
     return 0
 
 

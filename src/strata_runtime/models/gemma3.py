@@ -16,16 +16,7 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import (
-    Linear,
-    RMSNorm,
-    TiedEmbedding,
-    apply_rope,
-    attend,
-    attention_mask,
-    gelu_tanh,
-    rope_inverse_frequencies,
-)
+from ..layers import Linear, RMSNorm, TiedEmbedding, apply_rope, gelu_tanh, rope_inverse_frequencies
 
 
 @dataclass(frozen=True)
@@ -103,14 +94,9 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
         start = int(positions[0])
-        keys, values = cache.update_and_fetch(self.layer, start, k, v)
-        end = keys.shape[0]
-        # A sliding layer never looks further back than its window: skip older keys.
-        k_start = 0 if self.window is None else max(0, start - self.window + 1)
-        keys, values = keys[k_start:], values[k_start:]
-        mask = attention_mask(positions, k_start, end, self.window)
-        out = attend(q, keys, values, mask, a.attention_scale)
-        return self.o_proj(out.reshape(t, a.n_heads * a.head_dim))
+        cache.write(self.layer, start, k, v)
+        out = cache.attend(self.layer, q, start, a.attention_scale)
+        return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 
 class MLP(nn.Module):
@@ -167,6 +153,10 @@ class Model(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self, max_tokens: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    def attention_windows(self) -> list[int | None]:
+        """Per layer: the sliding window, or None for full attention."""
+        return [block.attn.window for block in self.layers]
+
+    def new_cache(self, max_tokens: int, kv: str = "f16") -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_tokens, dtype, self.device)
+        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, self.device)

@@ -1,0 +1,107 @@
+"""Triton attention over a KV cache in any format, dequantizing each K/V tile
+in registers right after it is loaded (imported only when the Triton backend
+runs)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_quant import KVStore
+
+FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}
+
+
+@triton.jit
+def _kv_tile(data, scales, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr):
+    """Float32 ``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N, 1]``."""
+    row = slots * HKV + kvh
+    if FMT == 0:
+        return tl.load(data + row * D + d).to(tl.float32)
+    if FMT == 2 and IS_V:
+        byte = tl.load(data + row * (D // 2) + d // 2).to(tl.int32)
+        q = ((byte >> ((d % 2) * 4)) & 15) - 8
+        return q.to(tl.float32) * tl.load(scales + row * (D // 32) + d // 32).to(tl.float32)
+    q = tl.load(data + row * D + d).to(tl.float32)
+    return q * tl.load(scales + row * (D // 64) + d // 64).to(tl.float32)
+
+
+@triton.jit
+def _attention_kernel(
+    q, k, v, k_scales, v_scales, part_acc, part_ml,
+    T, HKV, G, start, capacity, n_slots, slots_per_split, window, scale,
+    D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # q:        [T, HKV * G, D] float queries at positions start..start+T-1 (contiguous)
+    # k, v:     cache of one layer, [capacity, HKV, D] (f16/int8) or [capacity, HKV, D // 2] (k8v4 values);
+    #           position p lives in slot p % capacity; n_slots = min(capacity, start + T) slots are filled
+    # part_acc: [splits, HKV, T * G, D] float32 unnormalised outputs of each split
+    # part_ml:  [splits, HKV, T * G, 2] float32 running max and sum of each split
+    # grid:     (cdiv(T * G, BLOCK_M), HKV, splits); rows r = t * G + g are (query token, head in group)
+    #           pairs of one KV head; split s scans slots [s * slots_per_split, (s+1) * slots_per_split)
+    pr = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2).to(tl.int64)
+    r = pr * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = r < T * G
+    t = r // G
+    head = kvh * G + r % G
+    d = tl.arange(0, D).to(tl.int64)
+    qs = tl.load(q + (t * HKV * G + head)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_pos = start + t
+    end = start + T
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    lo = sp * slots_per_split
+    hi = tl.minimum(lo + slots_per_split, n_slots)
+    for n0 in range(lo, hi, BLOCK_N):
+        slots = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        slot_ok = slots < hi
+        safe = tl.where(slot_ok, slots, 0)
+        k_pos = (end - 1) - ((end - 1 - safe) % capacity)
+        keys = _kv_tile(k, k_scales, safe[:, None], kvh, HKV, d[None, :], D, FMT, False)
+        s = tl.dot(qs, tl.trans(keys), input_precision="ieee") * scale
+        allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+        allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        corr = tl.exp(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
+        l_i = l_i * corr + tl.sum(p, axis=1)
+        values = _kv_tile(v, v_scales, safe[:, None], kvh, HKV, d[None, :], D, FMT, True)
+        acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
+        m_i = m_new
+    out_row = (sp * HKV + kvh) * T * G + r
+    tl.store(part_acc + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml + out_row * 2, m_i, mask=row_ok)
+    tl.store(part_ml + out_row * 2 + 1, l_i, mask=row_ok)
+
+
+def attention_triton(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float,
+                     splits: int, block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
+    t, h, d = q.shape
+    hkv = store.kv_heads
+    g = h // hkv
+    n_slots = min(store.capacity, start + t)
+    per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n) * block_n
+    splits = triton.cdiv(n_slots, per_split)
+    part_acc = torch.empty((splits, hkv, t * g, d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((splits, hkv, t * g, 2), dtype=torch.float32, device=q.device)
+    dummy = torch.zeros(1, dtype=torch.float16, device=q.device)
+    _attention_kernel[(triton.cdiv(t * g, block_m), hkv, splits)](
+        q.contiguous(), store.k, store.v,
+        store.k_scales if store.k_scales is not None else dummy,
+        store.v_scales if store.v_scales is not None else dummy,
+        part_acc, part_ml,
+        t, hkv, g, start, store.capacity, n_slots, per_split, window or 0, scale,
+        D=d, FMT=FORMAT_CODES[store.fmt], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    # Log-sum-exp merge of the splits.
+    m, l = part_ml[..., 0:1], part_ml[..., 1:2]
+    m_max = m.amax(0, keepdim=True)
+    weight = torch.exp(torch.where(torch.isinf(m), float("-inf"), m - m_max))
+    out = (part_acc * weight).sum(0) / (l * weight).sum(0)
+    return out.reshape(hkv, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)

@@ -1,0 +1,66 @@
+"""Triton quantize-on-write of K/V rows into an int8 / k8v4 cache (imported
+only when the Triton backend runs)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_quant import INT4_BLOCK, INT8_GROUP, KVStore
+
+
+@triton.jit
+def _round_half_away(x):
+    return tl.where(x >= 0, tl.floor(x + 0.5), -tl.floor(-x + 0.5))
+
+
+@triton.jit
+def _quantize_kernel(x, slots, codes, scales, HKV, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+    # x:      [T, HKV, D] float rows to write (contiguous)
+    # slots:  [T] int64 ring slot of each row
+    # codes:  [C, HKV, D] int8 (BITS=8) or [C, HKV, D // 2] uint8 (BITS=4, value 2i in the low nibble)
+    # scales: [C, HKV, D // GROUP] float16
+    # grid:   (T * HKV, D // GROUP); program (r, g) quantizes group g of row r = t * HKV + h
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    t = r // HKV
+    h = r % HKV
+    slot = tl.load(slots + t)
+    src = x + r * D + g * GROUP
+    dst_row = slot * HKV + h
+    if BITS == 8:
+        i = tl.arange(0, GROUP)
+        vals = tl.load(src + i).to(tl.float32)
+        scale = (tl.max(tl.abs(vals), axis=0) / 127.0).to(tl.float16)
+        s = scale.to(tl.float32)
+        q = tl.where(s > 0, _round_half_away(vals / tl.where(s > 0, s, 1.0)), 0.0)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(codes + dst_row * D + g * GROUP + i, q.to(tl.int8))
+    else:
+        i = tl.arange(0, GROUP // 2)
+        even = tl.load(src + 2 * i).to(tl.float32)
+        odd = tl.load(src + 2 * i + 1).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(even), axis=0), tl.max(tl.abs(odd), axis=0))
+        scale = (amax / 7.0).to(tl.float16)
+        s = scale.to(tl.float32)
+        qe = tl.where(s > 0, _round_half_away(even / tl.where(s > 0, s, 1.0)), 0.0)
+        qo = tl.where(s > 0, _round_half_away(odd / tl.where(s > 0, s, 1.0)), 0.0)
+        qe = (tl.minimum(tl.maximum(qe, -7.0), 7.0) + 8.0).to(tl.int32)
+        qo = (tl.minimum(tl.maximum(qo, -7.0), 7.0) + 8.0).to(tl.int32)
+        tl.store(codes + dst_row * (D // 2) + g * (GROUP // 2) + i, (qe | (qo << 4)).to(tl.uint8))
+    tl.store(scales + dst_row * (D // GROUP) + g, scale)
+
+
+def kv_write_triton(store: KVStore, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    t, hkv, d = keys.shape
+    if t == 0:
+        return
+    halves = [(store.k, store.k_scales, keys, INT8_GROUP, 8)]
+    if store.fmt == "int8":
+        halves.append((store.v, store.v_scales, values, INT8_GROUP, 8))
+    else:
+        halves.append((store.v, store.v_scales, values, INT4_BLOCK, 4))
+    for codes, scales, x, group, bits in halves:
+        x = x.contiguous()
+        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, hkv, D=d, GROUP=group, BITS=bits)

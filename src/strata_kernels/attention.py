@@ -1,0 +1,35 @@
+"""Attention over a KV cache in any of its formats, reading it directly."""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_quant import KVStore, hadamard
+from .launch import attention_settings, resolve_backend
+
+
+def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float,
+              backend: str = "auto") -> torch.Tensor:
+    """Causal grouped-query attention for queries ``q`` ``[T, H, D]`` at
+    positions ``start..start+T-1``, over ``store`` already holding positions
+    up to ``start+T-1``; a sliding layer passes its ``window``. One query
+    (decode) splits the context across programs and merges the parts by
+    log-sum-exp; many (prefill) tile the queries. Returns float32 ``[T, H, D]``."""
+    t, h, d = q.shape
+    if d != store.head_dim or h % store.kv_heads:
+        raise ValueError(
+            f"queries [T, {h}, {d}] do not fit a cache of {store.kv_heads} KV heads of dim {store.head_dim}"
+        )
+    if start < 0 or t < 1:
+        raise ValueError(f"need at least one query at a position >= 0, got T={t}, start={start}")
+    if resolve_backend(q.device, backend) == "torch":
+        from .reference import attention as attention_torch
+
+        return attention_torch(q, store, start, window, scale)
+    from ._triton_attention import attention_triton
+
+    s = attention_settings(t, h // store.kv_heads, min(store.capacity, start + t), d)
+    out = attention_triton(q, store, start, window, scale, s.splits, s.block_m, s.block_n, s.num_warps)
+    if store.fmt == "k8v4":
+        out = out @ hadamard(d, out.device)
+    return out

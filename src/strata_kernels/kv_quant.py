@@ -1,0 +1,146 @@
+"""The KV cache formats and quantize-on-write.
+
+A layer's cache is a ``KVStore``: ``capacity`` slots, position ``p`` living in
+slot ``p % capacity`` (a ring: full-attention layers get enough slots never to
+wrap, sliding-window layers get their window plus one prefill chunk).
+
+- ``f16``: keys and values as floats (float16 on a GPU; float32 on the CPU,
+  where it is faster and exact).
+- ``int8``: int8 codes, one float16 scale (max|x|/127) per group of 64 values
+  of one head of one token.
+- ``k8v4``: keys as in int8; values rotated by an orthonormal Walsh-Hadamard
+  transform over the head dimension, then 4-bit codes (two per byte, value
+  ``2i`` in the low nibble) in blocks of 32 with one float16 scale
+  (max|x|/7) each. Attention output is rotated back once per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .launch import resolve_backend
+
+KV_FORMATS = ("f16", "int8", "k8v4")
+INT8_GROUP = 64
+INT4_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """One layer's keys and values in a cache format.
+
+    Invariant: ``k``/``v`` are ``[capacity, kv_heads, ...]``; for ``f16`` they
+    hold the values; for ``int8`` they hold int8 codes ``[C, Hkv, D]`` with
+    float16 ``k_scales``/``v_scales`` ``[C, Hkv, D // 64]``; for ``k8v4`` ``k``
+    is as in int8 and ``v`` holds packed 4-bit codes of the rotated values
+    ``[C, Hkv, D // 2]`` (uint8) with ``v_scales`` ``[C, Hkv, D // 32]``.
+    """
+
+    fmt: str
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    head_dim: int
+
+    @classmethod
+    def allocate(cls, fmt: str, capacity: int, kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu", float_dtype: torch.dtype | None = None) -> "KVStore":
+        if fmt not in KV_FORMATS:
+            raise ValueError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
+        if fmt != "f16" and (head_dim % INT8_GROUP or head_dim & (head_dim - 1)):
+            raise ValueError(f"the {fmt} KV format needs a power-of-two head dim of at least 64, got {head_dim}")
+        device = torch.device(device)
+        if fmt == "f16":
+            dtype = float_dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+            shape = (capacity, kv_heads, head_dim)
+            return cls(fmt, torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device), None, None, head_dim)
+        k = torch.zeros((capacity, kv_heads, head_dim), dtype=torch.int8, device=device)
+        k_scales = torch.zeros((capacity, kv_heads, head_dim // INT8_GROUP), dtype=torch.float16, device=device)
+        if fmt == "int8":
+            v = torch.zeros_like(k)
+            v_scales = torch.zeros_like(k_scales)
+        else:
+            v = torch.zeros((capacity, kv_heads, head_dim // 2), dtype=torch.uint8, device=device)
+            v_scales = torch.zeros((capacity, kv_heads, head_dim // INT4_BLOCK), dtype=torch.float16, device=device)
+        return cls(fmt, k, v, k_scales, v_scales, head_dim)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scales, self.v_scales) if t is not None)
+
+    def bytes_per_slot(self) -> int:
+        return self.nbytes // self.capacity
+
+
+def bytes_per_token(fmt: str, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
+    """Bytes one token costs in one layer, keys and values, scales included."""
+    if fmt == "f16":
+        return 2 * kv_heads * head_dim * float_bytes
+    key = kv_heads * (head_dim + 2 * head_dim // INT8_GROUP)
+    if fmt == "int8":
+        return 2 * key
+    return key + kv_heads * (head_dim // 2 + 2 * head_dim // INT4_BLOCK)
+
+
+@lru_cache(maxsize=None)
+def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of size ``dim`` (a power of two):
+    symmetric and its own inverse."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / dim**0.5).to(device=device, dtype=torch.float32)
+
+
+def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             backend: str = "auto") -> None:
+    """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into the slots of ``positions`` ``[T]``, in place."""
+    if keys.shape != values.shape or keys.dim() != 3 or keys.shape[1:] != (store.kv_heads, store.head_dim):
+        raise ValueError(
+            f"keys and values must both be [T, {store.kv_heads}, {store.head_dim}], "
+            f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if positions.shape != (keys.shape[0],):
+        raise ValueError(f"positions must be [{keys.shape[0]}], got {tuple(positions.shape)}")
+    if keys.shape[0] > store.capacity:
+        raise ValueError(f"cannot write {keys.shape[0]} positions into {store.capacity} slots at once")
+    slots = positions.to(store.k.device, torch.long) % store.capacity
+    if store.fmt == "k8v4":
+        values = values.float() @ hadamard(store.head_dim, values.device)
+    if resolve_backend(keys.device, backend) == "triton" and store.fmt != "f16":
+        from ._triton_kv_quant import kv_write_triton
+
+        kv_write_triton(store, slots, keys, values)
+        return
+    from .reference import kv_quantize
+
+    for data, scales, x, fmt in ((store.k, store.k_scales, keys, "int8" if store.fmt != "f16" else "f16"),
+                                 (store.v, store.v_scales, values, {"k8v4": "int4"}.get(store.fmt, store.fmt))):
+        codes, sc = kv_quantize(x, fmt, data.dtype)
+        data[slots] = codes
+        if scales is not None:
+            scales[slots] = sc
+
+
+def kv_read(store: KVStore, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[T, Hkv, D]`` (float32, original basis) at ``positions``."""
+    from .reference import kv_dequantize
+
+    slots = positions.to(store.k.device, torch.long) % store.capacity
+    k, v = kv_dequantize(store, slots)
+    if store.fmt == "k8v4":
+        v = v @ hadamard(store.head_dim, v.device)
+    return k, v

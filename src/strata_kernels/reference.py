@@ -370,22 +370,30 @@ def embedding_rows(qt, index: torch.Tensor, dtype: torch.dtype = torch.float32) 
 
 def kv_quantize(x: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` ``[T, Hkv, D]`` -> (codes, float16 scales) in ``fmt``: "f16" (the
-    values in ``dtype``), "int8" (groups of 64, scale max|x|/127) or "int4"
-    (blocks of 32, scale max|x|/7, two codes a byte, low nibble first)."""
+    values in ``dtype``), "int8" (groups of 64, scale max|x|/127, round half
+    away from zero) or "nf4" (blocks of 32 on the 16 non-uniform IQ4_NL
+    levels, two codes a byte, low nibble first; the scale puts the block's
+    extreme value exactly on the -127 level, so it may be negative)."""
     if fmt == "f16":
         return x.to(dtype), None
-    group = 64 if fmt == "int8" else 32
-    qmax = 127.0 if fmt == "int8" else 7.0
     t, h, d = x.shape
-    g = x.float().reshape(t, h, d // group, group)
-    scales = (g.abs().amax(-1) / qmax).to(torch.float16)
-    # Divide by the stored (float16) scale so codes and scale agree exactly.
-    s = scales.float().unsqueeze(-1)
-    codes = round_half_away(torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)).clamp(-qmax, qmax)
     if fmt == "int8":
+        g = x.float().reshape(t, h, d // 64, 64)
+        scales = (g.abs().amax(-1) / 127.0).to(torch.float16)
+        # Divide by the stored (float16) scale so codes and scale agree exactly.
+        s = scales.float().unsqueeze(-1)
+        codes = round_half_away(torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)).clamp(-127, 127)
         return codes.to(torch.int8).reshape(t, h, d), scales
-    nib = (codes + 8).to(torch.uint8).reshape(t, h, d // 2, 2)
-    return nib[..., 0] | (nib[..., 1] << 4), scales
+    levels = lookup_table("iq4nl_values", x.device)
+    g = x.float().reshape(t, h, d // 32, 32)
+    top, bottom = g.amax(-1), g.amin(-1)
+    extreme = torch.where(top >= -bottom, top, bottom)
+    scales = (extreme / levels[0]).to(torch.float16)
+    s = scales.float().unsqueeze(-1)
+    y = torch.where(s != 0, g / torch.where(s != 0, s, 1.0), 0.0)
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    codes = (y.unsqueeze(-1) > midpoints).sum(-1).to(torch.uint8).reshape(t, h, d // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4), scales
 
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -405,8 +413,9 @@ def kv_dequantize(store, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if store.fmt == "int8":
         v = (v.float().reshape(n, h, d // 64, 64) * store.v_scales[slots].float().unsqueeze(-1)).reshape(n, h, d)
         return k, v
-    nib = torch.stack([v & 15, v >> 4], dim=-1).reshape(n, h, d).float() - 8
-    v = (nib.reshape(n, h, d // 32, 32) * store.v_scales[slots].float().unsqueeze(-1)).reshape(n, h, d)
+    nib = torch.stack([v & 15, v >> 4], dim=-1).reshape(n, h, d).long()
+    levels = lookup_table("iq4nl_values", v.device)[nib]
+    v = (levels.reshape(n, h, d // 32, 32) * store.v_scales[slots].float().unsqueeze(-1)).reshape(n, h, d)
     return k, v
 
 

@@ -33,18 +33,19 @@ class KVCache:
     Full-attention layers have ``max_tokens`` slots (they never wrap);
     sliding-window layers have ``window + PREFILL_CHUNK`` (fewer if
     ``max_tokens`` is smaller), which is all a chunk of queries can reach.
-    Storage is allocated once, here.
+    Storage is allocated once, here. ``ring=False`` gives every layer full
+    capacity (the windows still mask): the equivalence tests' baseline.
     """
 
     def __init__(self, fmt: str, windows: list[int | None], kv_heads: int, head_dim: int, max_tokens: int,
-                 device: torch.device | str = "cpu", float_dtype: torch.dtype | None = None):
+                 device: torch.device | str = "cpu", float_dtype: torch.dtype | None = None, ring: bool = True):
         if fmt not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         self.fmt = fmt
         self.windows = list(windows)
         self.max_tokens = max_tokens
         self.stores = [
-            KVStore.allocate(fmt, _capacity(w, max_tokens), kv_heads, head_dim, device, float_dtype)
+            KVStore.allocate(fmt, _capacity(w if ring else None, max_tokens), kv_heads, head_dim, device, float_dtype)
             for w in self.windows
         ]
         self.length = 0

@@ -1,0 +1,162 @@
+"""KV cache formats: quantize-on-write, and attention reading the cache directly.
+
+Triton (through the interpreter) against the torch path, and both against a
+dense float64 attention over the same (dequantized) keys and values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import report_mismatch
+
+from strata_kernels import KVStore, attention, kv_read, kv_write
+from strata_kernels.kv_quant import bytes_per_token, hadamard
+from strata_kernels.reference import kv_dequantize
+
+FORMATS = ["f16", "int8", "k8v4"]
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "k8v4"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_quantize_on_write_triton_equals_torch(fmt, head_dim):
+    keys, values = _rand(9, 2, head_dim, seed=1) * 3, _rand(9, 2, head_dim, seed=2)
+    keys[3] = 0.0  # an all-zero row: scale 0, codes 0
+    positions = torch.tensor([0, 5, 6, 7, 8, 9, 10, 11, 12])
+    a = KVStore.allocate(fmt, 11, 2, head_dim)
+    b = KVStore.allocate(fmt, 11, 2, head_dim)
+    kv_write(a, positions, keys, values, backend="torch")
+    kv_write(b, positions, keys, values, backend="triton")
+    for name in ("k", "v", "k_scales", "v_scales"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_back_within_half_a_step(fmt):
+    d = 128
+    keys, values = _rand(5, 2, d, seed=3), _rand(5, 2, d, seed=4)
+    store = KVStore.allocate(fmt, 8, 2, d)
+    pos = torch.arange(5)
+    kv_write(store, pos, keys, values)
+    k, v = kv_read(store, pos)
+    if fmt == "f16":
+        assert torch.equal(k, keys) and torch.equal(v, values)
+        return
+    # int8 keys: each value within half a step (max|group|/127/2) of the original.
+    step = keys.reshape(5, 2, d // 64, 64).abs().amax(-1, keepdim=True) / 127
+    assert bool(((k - keys).reshape(5, 2, d // 64, 64).abs() <= step * 0.5 + 1e-6).all())
+    if fmt == "int8":
+        step_v = values.reshape(5, 2, d // 64, 64).abs().amax(-1, keepdim=True) / 127
+        assert bool(((v - values).reshape(5, 2, d // 64, 64).abs() <= step_v * 0.5 + 1e-6).all())
+    else:
+        # 4-bit values live in the rotated basis: the bound holds there. The
+        # widest gap between IQ4_NL levels is the 14/127 above the top one.
+        rotated = values @ hadamard(d)
+        _, stored = kv_dequantize(store, pos)
+        extreme = rotated.reshape(5, 2, d // 32, 32).abs().amax(-1, keepdim=True)
+        err = (stored - rotated).reshape(5, 2, d // 32, 32).abs()
+        assert bool((err <= extreme * 14 / 127 * 1.002 + 1e-6).all())
+        assert float(err.max()) > 0  # it is a 4-bit format
+        assert torch.allclose(v, stored @ hadamard(d), atol=1e-5)
+
+
+def test_hadamard_is_orthonormal_and_symmetric():
+    h = hadamard(256)
+    assert torch.allclose(h @ h, torch.eye(256), atol=1e-5) and torch.equal(h, h.T)
+
+
+def test_bytes_per_token_of_the_formats():
+    f16 = bytes_per_token("f16", 1, 256)
+    assert bytes_per_token("int8", 1, 256) / f16 <= 0.53
+    assert bytes_per_token("k8v4", 1, 256) / f16 <= 0.40
+    store = KVStore.allocate("k8v4", 10, 1, 256)
+    assert store.bytes_per_slot() == bytes_per_token("k8v4", 1, 256)
+
+
+def _dense(q, k, v, start, window, scale):
+    """Float64 attention over every position 0..start+T-1 (no ring)."""
+    t, h, d = q.shape
+    g = h // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    qp = torch.arange(start, start + t)
+    kp = torch.arange(k.shape[0])
+    allowed = kp[None] <= qp[:, None]
+    if window is not None:
+        allowed &= qp[:, None] - kp[None] < window
+    s = torch.einsum("thd,nhd->htn", q.double(), kk) * scale
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("htn,nhd->thd", p, vv)
+
+
+CASES = [  # head_dim, group (GQA ratio), context, window, chunk
+    (64, 1, 37, None, 16),
+    (128, 4, 61, 5, 16),  # window shorter than the context: the ring wraps
+    (256, 8, 45, 1000, 16),  # window longer than the context
+    (64, 4, 150, 40, 32),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("head_dim,group,context,window,chunk", CASES)
+def test_prefill_and_decode_attention(fmt, head_dim, group, context, window, chunk):
+    hkv, scale = 2, head_dim**-0.5
+    keys, values = _rand(context, hkv, head_dim, seed=5), _rand(context, hkv, head_dim, seed=6)
+    capacity = context if window is None else min(context, window + chunk)
+    ring = KVStore.allocate(fmt, capacity, hkv, head_dim)
+    full = KVStore.allocate(fmt, context, hkv, head_dim)  # same codes, never wraps: the dense baseline's values
+    kv_write(full, torch.arange(context), keys, values)
+    k_all, v_all = kv_read(full, torch.arange(context))
+    # Prefill in chunks, then decode one token at a time at the end.
+    steps = [(s, min(context - 2, s + chunk)) for s in range(0, context - 2, chunk)]
+    steps += [(context - 2, context - 1), (context - 1, context)]
+    for s0, s1 in steps:
+        kv_write(ring, torch.arange(s0, s1), keys[s0:s1], values[s0:s1])
+        q = _rand(s1 - s0, hkv * group, head_dim, seed=s0)
+        expected = _dense(q, k_all[:s1], v_all[:s1], s0, window, scale)
+        by_torch = attention(q, ring, s0, window, scale, backend="torch")
+        by_triton = attention(q, ring, s0, window, scale, backend="triton")
+        assert torch.allclose(by_torch.double(), expected, atol=2e-5), report_mismatch(by_torch, expected.float(), 2e-5)
+        assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_split_over_the_context(fmt):
+    """A long context is split across programs and merged by log-sum-exp."""
+    hkv, group, d, context = 1, 4, 64, 700
+    keys, values = _rand(context, hkv, d, seed=7), _rand(context, hkv, d, seed=8)
+    store = KVStore.allocate(fmt, context, hkv, d)
+    kv_write(store, torch.arange(context), keys, values)
+    q = _rand(1, hkv * group, d, seed=9)
+    by_torch = attention(q, store, context - 1, None, 0.125, backend="torch")
+    by_triton = attention(q, store, context - 1, None, 0.125, backend="triton")
+    assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
+
+
+def test_bad_shapes_are_clear():
+    store = KVStore.allocate("int8", 8, 2, 64)
+    with pytest.raises(ValueError, match=r"keys and values must both be \[T, 2, 64\]"):
+        kv_write(store, torch.arange(3), torch.zeros(3, 1, 64), torch.zeros(3, 1, 64))
+    with pytest.raises(ValueError, match="do not fit a cache of 2 KV heads of dim 64"):
+        attention(torch.zeros(1, 3, 64), store, 0, None, 1.0)
+    with pytest.raises(ValueError, match="kv format must be one of f16, int8, k8v4"):
+        KVStore.allocate("q4", 8, 2, 64)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        KVStore.allocate("k8v4", 8, 2, 96)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("context", [4096, 32768])
+def test_gpu_attention_large(fmt, context):
+    hkv, group, d = 8, 4, 128
+    store = KVStore.allocate(fmt, context, hkv, d, device="cuda")
+    keys = torch.randn(context, hkv, d, device="cuda")
+    kv_write(store, torch.arange(context, device="cuda"), keys, torch.randn_like(keys))
+    q = torch.randn(1, hkv * group, d, device="cuda")
+    ref = attention(q, store, context - 1, None, d**-0.5, backend="torch")
+    out = attention(q, store, context - 1, None, d**-0.5, backend="triton")
+    assert torch.allclose(out, ref, atol=1e-3)

@@ -1,0 +1,114 @@
+"""The staging pool: admission, all-or-nothing leases, copies, and no host
+allocation after start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_memory import _proc, _v2
+
+from strata_runtime.memory import MiB, HostMemory
+from strata_runtime.staging import StagingPool
+
+PAGE = 1 * MiB
+
+
+def _memory_with_room(tmp_path, room_mib: int) -> HostMemory:
+    proc = _proc(tmp_path, cgroup="0::/svc\n")
+    cg = _v2(tmp_path, "/svc", str(4096 * MiB), current=(4096 - room_mib) * MiB, inactive=0)
+    return HostMemory(proc, cg)
+
+
+def test_grants_what_fits(tmp_path):
+    pool, d = StagingPool.reserve(64 * MiB, min_free_bytes=100 * MiB, memory=_memory_with_room(tmp_path, 1000),
+                                  page_bytes=PAGE)
+    assert pool.total_bytes == d.granted == 64 * MiB
+    assert "reserved: 64 MiB of 64 MiB requested (headroom 1000 MiB; floor 100 MiB)" in d.message
+
+
+def test_shrinks_to_headroom_minus_floor(tmp_path, caplog):
+    caplog.set_level("INFO")
+    pool, d = StagingPool.reserve(512 * MiB, min_free_bytes=100 * MiB, memory=_memory_with_room(tmp_path, 130),
+                                  page_bytes=PAGE)
+    assert pool.total_bytes == d.granted == 30 * MiB
+    assert "shrunk to fit: 30 MiB of 512 MiB requested (headroom 130 MiB; floor 100 MiB)" in caplog.text
+
+
+def test_strict_refuses_instead_of_shrinking(tmp_path):
+    pool, d = StagingPool.reserve(512 * MiB, min_free_bytes=100 * MiB, memory=_memory_with_room(tmp_path, 130),
+                                  page_bytes=PAGE, strict=True)
+    assert pool.total_bytes == 0 and "refused (strict)" in d.message
+    assert pool.lease(1) is None
+
+
+def test_unknown_telemetry_refuses_with_its_reason(tmp_path):
+    proc = _proc(tmp_path, available_kb="lots")
+    pool, d = StagingPool.reserve(64 * MiB, min_free_bytes=0, memory=HostMemory(proc, tmp_path), page_bytes=PAGE)
+    assert pool.total_bytes == 0
+    assert "refused: memory telemetry unknown: cannot parse" in d.message
+
+
+def test_leases_are_all_or_nothing_and_pages_come_back():
+    pool = StagingPool(8, PAGE)
+    a = pool.lease(3 * PAGE)
+    b = pool.lease(4 * PAGE + 1)  # five pages
+    assert a is not None and b is not None and len(b.pages) == 5
+    assert not set(a.pages) & set(b.pages)
+    assert pool.lease(1 * PAGE + 1) is None  # two pages asked, none given
+    assert pool.free_bytes == 0 * PAGE and pool.used_bytes == 8 * PAGE
+    pool.release(a)
+    assert pool.free_bytes == 3 * PAGE
+    with pytest.raises(ValueError, match="already released"):
+        pool.release(a)
+    assert pool.lease(3 * PAGE) is not None
+
+
+def test_copies_round_trip_across_page_boundaries():
+    pool = StagingPool(6, PAGE)
+    pool.lease(PAGE)  # so the next lease's pages are not the first ones
+    lease = pool.lease(3 * PAGE + 100)
+    x = torch.randn(300_000)  # 1.2 MB: spans two pages
+    y = torch.randint(-128, 127, (700_000,), dtype=torch.int8)
+    start = pool.buffer.data_ptr()
+    end = lease.copy_in(0, x)
+    lease.copy_in(end, y)
+    x2, y2 = torch.empty_like(x), torch.empty_like(y)
+    lease.copy_out(0, x2)
+    lease.copy_out(end, y2)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert pool.buffer.data_ptr() == start  # never reallocated
+    with pytest.raises(ValueError, match="outside this"):
+        lease.copy_in(3 * PAGE, torch.zeros(200, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous"):
+        lease.copy_in(0, torch.zeros(10, 10).T)
+
+
+def test_no_host_allocation_after_start():
+    """A child reserves the pool, then caps its address space at what it has:
+    any further host allocation of size fails, yet leases and copies work."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from strata_runtime.staging import StagingPool
+        pool = StagingPool(64, 1 << 20)                  # 64 MiB, reserved at start
+        src = torch.randn(4 << 20)                       # 16 MiB of live state to park
+        dst = torch.empty_like(src)
+        vm = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), resource.RLIM_INFINITY))
+        try:
+            torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+            print('allocation after start unexpectedly succeeded')
+        except (RuntimeError, MemoryError):
+            pass
+        for _ in range(20):                              # park and restore, over and over
+            lease = pool.lease(src.numel() * 4)
+            lease.copy_in(0, src)
+            lease.copy_out(0, dst)
+            pool.release(lease)
+        print('ok', bool(torch.equal(src, dst)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["ok", "True"], out.stdout + out.stderr

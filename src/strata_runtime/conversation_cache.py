@@ -1,0 +1,364 @@
+"""Parked conversations and running-state checkpoints, inside the staging pool.
+
+Parking, restoring and checkpointing are optimizations: each returns an
+outcome (``Parked``, ``Restored``, ``Saved``, ``Skipped(reason)``) and never
+raises into the request. When memory is not there, the work is skipped,
+logged in one greppable line and counted; the request is still served.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .kv_cache import KVCache
+from .memory import MiB
+from .staging import Lease, StagingPool
+from .testing import fault_point
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Parked:
+    tokens: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Restored:
+    position: int  # the cache now holds positions 0 .. position-1
+    source: str  # "live" (cut back in place) or "parked"
+
+
+@dataclass(frozen=True)
+class Saved:
+    position: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    reason: str
+
+
+Outcome = Parked | Restored | Saved | Skipped
+
+# (layer, field name, first position, end position, byte offset in the lease)
+_Part = tuple[int, str, int, int, int]
+
+
+@dataclass
+class _Stored:
+    """Position ranges of some layers of a cache, copied into one lease.
+
+    Invariant: ``parts`` tile ``lease`` from byte 0 in order; each part holds
+    rows ``first..end-1`` (by position) of one field of one layer's store."""
+
+    lease: Lease
+    parts: list[_Part]
+    nbytes: int
+
+
+@dataclass
+class Snapshot:
+    """A parked sequence: ``tokens`` (whose KV it holds) and, per layer, the
+    positions its store still held: ``0..length-1`` for full-attention layers,
+    the ring's last ``capacity`` positions for sliding ones."""
+
+    tokens: tuple[int, ...]
+    stored: _Stored
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Checkpoint:
+    """Running state at ``position`` of the sequence ``tokens``: the last
+    ``window`` positions of every sliding-window layer. ``root`` checkpoints
+    (the end of a system prompt) are never evicted."""
+
+    tokens: tuple[int, ...]
+    stored: _Stored
+    root: bool
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fields(store) -> dict[str, torch.Tensor]:
+    out = {"k": store.k, "v": store.v}
+    if store.k_scales is not None:
+        out.update(k_scales=store.k_scales, v_scales=store.v_scales)
+    return out
+
+
+def _slot_runs(first: int, end: int, capacity: int) -> list[tuple[int, int, int]]:
+    """(first position, slot start, count) runs of positions ``first..end-1`` in a ring."""
+    runs, pos = [], first
+    while pos < end:
+        slot = pos % capacity
+        n = min(end - pos, capacity - slot)
+        runs.append((pos, slot, n))
+        pos += n
+    return runs
+
+
+def ring_serves(length: int, capacity: int, window: int, position: int) -> bool:
+    """Whether a ring written up to ``length`` still holds what a query at
+    ``position`` (<= length) reaches back to."""
+    return length - capacity <= max(0, position - window + 1)
+
+
+class ConversationCache:
+    """Snapshots of parked sequences and checkpoints of running state, all in
+    ``pool`` pages.
+
+    Invariant: every snapshot and checkpoint owns one unreleased lease; at
+    most ``slots`` snapshots are kept; counters count every outcome.
+    """
+
+    def __init__(self, pool: StagingPool, slots: int = 8, checkpoint_every: int = 0, min_park_tokens: int = 16):
+        self.pool = pool
+        self.slots = slots
+        self.checkpoint_every = checkpoint_every
+        self.min_park_tokens = min_park_tokens
+        self.snapshots: list[Snapshot] = []
+        self.checkpoints: list[Checkpoint] = []
+        self.counters: Counter[str] = Counter()
+
+    # --- the one copy function ------------------------------------------------
+
+    def _copy(self, point: str, work) -> Skipped | None:
+        """Run a device/host copy; a device-side failure becomes ``Skipped``."""
+        try:
+            fault_point(point)
+            work()
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+            return None
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            return Skipped(f"copy failed: out of memory ({e})")
+        except RuntimeError as e:  # CUDA errors surface as RuntimeError
+            return Skipped(f"copy failed: {str(e).splitlines()[0][:120]}")
+
+    def _lease(self, nbytes: int, what: str) -> Lease | Skipped:
+        if nbytes > self.pool.total_bytes:
+            return Skipped(f"staging pool: {what} needs {_mib(nbytes)}, the whole pool is {_mib(self.pool.total_bytes)}")
+        evicted = 0
+        while True:
+            try:
+                fault_point("staging_lease")
+                lease = self.pool.lease(nbytes)
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                return Skipped(f"staging pool: lease failed ({e})")
+            if lease is not None:
+                if evicted:
+                    self.counters["evictions"] += evicted
+                return lease
+            if not self._evict_one():
+                return Skipped(f"staging pool: need {_mib(nbytes)}, {_mib(self.pool.free_bytes)} free "
+                               f"after evicting {evicted}")
+            evicted += 1
+
+    def _evict_one(self) -> bool:
+        """Free the least recently used snapshot or non-root checkpoint."""
+        victims = [s for s in self.snapshots] + [c for c in self.checkpoints if not c.root]
+        if not victims:
+            return False
+        victim = min(victims, key=lambda x: x.last_used)
+        self._drop(victim)
+        return True
+
+    def _drop(self, item: Snapshot | Checkpoint) -> None:
+        self.pool.release(item.stored.lease)
+        if isinstance(item, Snapshot):
+            self.snapshots.remove(item)
+        else:
+            self.checkpoints.remove(item)
+
+    # --- storing ranges of a cache --------------------------------------------
+
+    @staticmethod
+    def _plan(cache: KVCache, layers: list[tuple[int, int, int]]) -> tuple[list[_Part], int]:
+        parts, offset = [], 0
+        for layer, first, end in layers:
+            for name, t in _fields(cache.stores[layer]).items():
+                parts.append((layer, name, first, end, offset))
+                offset += (end - first) * t[0].numel() * t.element_size()
+        return parts, offset
+
+    @staticmethod
+    def _copy_parts(cache: KVCache, stored: _Stored, to_pool: bool, upto: int | None = None) -> None:
+        for layer, name, first, end, offset in stored.parts:
+            t = _fields(cache.stores[layer])[name]
+            row = t[0].numel() * t.element_size()
+            stop = end if upto is None else min(end, upto)
+            for pos, slot, n in _slot_runs(first, stop, t.shape[0]):
+                piece = t[slot:slot + n]
+                at = offset + (pos - first) * row
+                if to_pool:
+                    stored.lease.copy_in(at, piece)
+                else:
+                    stored.lease.copy_out(at, piece)
+
+    def _store(self, cache: KVCache, layers, point: str, what: str) -> _Stored | Skipped:
+        parts, nbytes = self._plan(cache, layers)
+        lease = self._lease(nbytes, what)
+        if isinstance(lease, Skipped):
+            return lease
+        stored = _Stored(lease, parts, nbytes)
+        failed = self._copy(point, lambda: self._copy_parts(cache, stored, to_pool=True))
+        if failed:
+            self.pool.release(lease)
+            return failed
+        return stored
+
+    # --- park -------------------------------------------------------------------
+
+    def park(self, cache: KVCache, tokens: Sequence[int]) -> Outcome:
+        """Copy the live sequence (``tokens``, all in ``cache``) into the pool."""
+        tokens = tuple(tokens[:cache.length])
+        if len(tokens) < self.min_park_tokens:
+            return self._record(Skipped(f"skip parking ({len(tokens)} tokens is too short to be worth it)"), "park")
+        if any(s.tokens == tokens for s in self.snapshots):
+            return self._record(Skipped("skip parking (already parked)"), "park")
+        t0 = time.perf_counter()
+        layers = [(i, max(0, len(tokens) - s.capacity), len(tokens)) for i, s in enumerate(cache.stores)]
+        # A snapshot this sequence extends is superseded: free its pages first.
+        for old in [s for s in self.snapshots if tokens[:s.length] == s.tokens]:
+            self._drop(old)
+        while len(self.snapshots) >= self.slots:
+            self._drop(min(self.snapshots, key=lambda s: s.last_used))
+            self.counters["evictions"] += 1
+        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot")
+        if isinstance(stored, Skipped):
+            return self._record(Skipped(f"skip parking ({stored.reason})"), "park")
+        self.snapshots.append(Snapshot(tokens, stored))
+        return self._record(Parked(len(tokens), stored.nbytes, time.perf_counter() - t0), "park")
+
+    # --- checkpoints --------------------------------------------------------------
+
+    def save_checkpoint(self, cache: KVCache, tokens: Sequence[int], root: bool = False) -> Outcome:
+        """Save the running state of ``cache`` at its current length (``tokens`` are its tokens)."""
+        tokens = tuple(tokens[:cache.length])
+        p = len(tokens)
+        sliding = [(i, max(0, p - w), p) for i, w in enumerate(cache.windows) if w is not None]
+        if not sliding:
+            return self._record(Skipped("checkpoint save skipped (no running state)"), "checkpoint")
+        for c in self.checkpoints:
+            if c.tokens == tokens:
+                c.root |= root
+                c.last_used = time.monotonic()
+                return self._record(Saved(p, c.stored.nbytes), "checkpoint")
+        stored = self._store(cache, sliding, "checkpoint_copy", f"a checkpoint at {p}")
+        if isinstance(stored, Skipped):
+            return self._record(Skipped(f"checkpoint save skipped ({stored.reason})"), "checkpoint")
+        self.checkpoints.append(Checkpoint(tokens, stored, root))
+        return self._record(Saved(p, stored.nbytes), "checkpoint")
+
+    def checkpoint_positions(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
+        """Positions in ``(start, end]`` where prefill should stop to save a checkpoint."""
+        every = range(self.checkpoint_every, end + 1, self.checkpoint_every) if self.checkpoint_every else ()
+        return sorted({p for p in (*every, *boundaries) if start < p <= end})
+
+    # --- restore --------------------------------------------------------------------
+
+    def _best_checkpoint(self, prompt: Sequence[int], upto: int) -> Checkpoint | None:
+        fits = [c for c in self.checkpoints if 0 < c.position <= upto and tuple(prompt[:c.position]) == c.tokens]
+        return max(fits, key=lambda c: c.position, default=None)
+
+    def _plan_restore(self, cache: KVCache, length: int, shared: int, prompt):
+        """Where a source holding ``length`` positions (``shared`` of them
+        matching the prompt) can restart: (position, checkpoint or None)."""
+        if all(w is None or ring_serves(length, s.capacity, w, shared)
+               for w, s in zip(cache.windows, cache.stores)):
+            return shared, None
+        cp = self._best_checkpoint(prompt, shared)
+        return (cp.position, cp) if cp else (0, None)
+
+    def restore(self, cache: KVCache, live_tokens: Sequence[int], prompt: Sequence[int]) -> Outcome:
+        """Make ``cache`` (holding ``live_tokens``) hold the longest prefix of
+        ``prompt`` that the live sequence, a parked snapshot and the
+        checkpoints can give, leaving at least one prompt token to prefill."""
+        limit = len(prompt) - 1
+        live_shared = min(common_prefix(live_tokens[:cache.length], prompt), limit)
+        best = (*self._plan_restore(cache, cache.length, live_shared, prompt), None)
+        for snap in self.snapshots:
+            shared = min(common_prefix(snap.tokens, prompt), limit)
+            position, cp = self._plan_restore(cache, snap.length, shared, prompt)
+            if position > best[0]:
+                best = (position, cp, snap)
+        position, cp, snap = best
+        t0 = time.perf_counter()
+        if snap is not None:
+            cache.reset()  # if the copy fails midway, the live state is cold and consistent
+            failed = self._copy("restore_copy", lambda: self._copy_parts(cache, snap.stored, False, upto=position))
+            if failed:
+                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch"), "restore")
+            snap.last_used = time.monotonic()
+        if cp is not None:
+            failed = self._copy("restore_copy", lambda: self._copy_parts(cache, cp.stored, False))
+            if failed:
+                cache.reset()
+                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch"), "restore")
+            cp.last_used = time.monotonic()
+        cache.length = position
+        source = "parked" if snap is not None else "live"
+        return self._record(Restored(position, source), "restore", time.perf_counter() - t0)
+
+    # --- bookkeeping -------------------------------------------------------------------
+
+    def _record(self, outcome: Outcome, kind: str, seconds: float = 0.0) -> Outcome:
+        if isinstance(outcome, Skipped):
+            self.counters[f"{kind}_skipped"] += 1
+            log.warning("conversation cache: %s; %s", outcome.reason, self._summary())
+        else:
+            self.counters[{"park": "parked", "restore": "restored", "checkpoint": "checkpoints_saved"}[kind]] += 1
+            log.info("conversation cache: %s; %s", _describe(outcome, seconds), self._summary())
+        return outcome
+
+    def _summary(self) -> str:
+        return (f"parked={len(self.snapshots)} checkpoints={len(self.checkpoints)} "
+                f"bytes={self.pool.used_bytes} evictions={self.counters['evictions']}")
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counters,
+            "parked_now": len(self.snapshots),
+            "checkpoints_now": len(self.checkpoints),
+            "pool_bytes_used": self.pool.used_bytes,
+            "pool_bytes_total": self.pool.total_bytes,
+        }
+
+
+def _describe(outcome: Outcome, seconds: float) -> str:
+    if isinstance(outcome, Parked):
+        return f"parked {outcome.tokens} tokens in {outcome.seconds * 1e3:.1f} ms"
+    if isinstance(outcome, Restored):
+        return f"restored {outcome.position} tokens from {outcome.source} in {seconds * 1e3:.1f} ms"
+    return f"checkpoint saved at {outcome.position} ({_mib(outcome.bytes)})"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"

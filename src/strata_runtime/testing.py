@@ -1,0 +1,57 @@
+"""Test seams: ``inject_fault`` makes a named point in the runtime raise.
+
+Points: ``park_copy``, ``restore_copy``, ``checkpoint_copy`` (the copies
+between the device cache and the staging pool) and ``staging_lease`` (asking
+the pool for pages). Nothing is armed unless a test arms it.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "staging_lease")
+
+
+@dataclass
+class _Fault:
+    exc: BaseException
+    times: int | None
+    rate: float
+    rng: random.Random
+    fired: int = 0
+    calls: int = field(default=0)
+
+
+_armed: dict[str, list[_Fault]] = {}
+
+
+@contextmanager
+def inject_fault(point: str, exc: BaseException | None = None, times: int | None = None,
+                 rate: float = 1.0, seed: int = 0) -> Iterator[_Fault]:
+    """While inside, calls reaching ``point`` raise ``exc`` (default: a torch
+    out-of-memory error): on every call, at most ``times`` times, and each
+    time with probability ``rate`` (seeded, so a run is reproducible)."""
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; points: {', '.join(POINTS)}")
+    fault = _Fault(exc or torch.OutOfMemoryError("injected: out of memory"), times, rate, random.Random(seed))
+    _armed.setdefault(point, []).append(fault)
+    try:
+        yield fault
+    finally:
+        _armed[point].remove(fault)
+
+
+def fault_point(point: str) -> None:
+    """Raise here if a test armed ``point``."""
+    for fault in _armed.get(point, ()):
+        fault.calls += 1
+        if fault.times is not None and fault.fired >= fault.times:
+            continue
+        if fault.rng.random() < fault.rate:
+            fault.fired += 1
+            raise fault.exc

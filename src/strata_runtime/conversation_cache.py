@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, store_fields
 from .memory import MiB
 from .staging import Lease, StagingPool
 from .testing import fault_point
@@ -104,13 +104,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def _fields(store) -> dict[str, torch.Tensor]:
-    out = {"k": store.k, "v": store.v}
-    if store.k_scales is not None:
-        out.update(k_scales=store.k_scales, v_scales=store.v_scales)
-    return out
 
 
 def _slot_runs(first: int, end: int, capacity: int) -> list[tuple[int, int, int]]:
@@ -203,7 +196,7 @@ class ConversationCache:
     def _plan(cache: KVCache, layers: list[tuple[int, int, int]]) -> tuple[list[_Part], int]:
         parts, offset = [], 0
         for layer, first, end in layers:
-            for name, t in _fields(cache.stores[layer]).items():
+            for name, t in store_fields(cache.stores[layer]).items():
                 parts.append((layer, name, first, end, offset))
                 offset += (end - first) * t[0].numel() * t.element_size()
         return parts, offset
@@ -211,7 +204,7 @@ class ConversationCache:
     @staticmethod
     def _copy_parts(cache: KVCache, stored: _Stored, to_pool: bool, upto: int | None = None) -> None:
         for layer, name, first, end, offset in stored.parts:
-            t = _fields(cache.stores[layer])[name]
+            t = store_fields(cache.stores[layer])[name]
             row = t[0].numel() * t.element_size()
             stop = end if upto is None else min(end, upto)
             for pos, slot, n in _slot_runs(first, stop, t.shape[0]):

@@ -12,13 +12,16 @@ import torch
 from tqdm.auto import tqdm
 
 from .chat_template import ChatTemplate, ChatTemplateError
+from .conversation_cache import ConversationCache, Restored
 from .default_model import default_model_path
 from .errors import StrataError
 from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache
 from .models import model_module
+from .memory import MiB, HostMemory
 from .sampling import Sampler, SamplingParams
+from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
 
@@ -34,6 +37,11 @@ class EngineConfig:
     kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU), int8, k8v4
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    conversation_cache_mib: int = 1024  # host staging pool for parked conversations (0: none)
+    conversation_cache_slots: int = 8  # parked conversations kept at most
+    min_free_mib: int = 1024  # host memory the pool must leave free
+    checkpoint_every: int = 2048  # running-state checkpoints every N prompt tokens (0: only at turn boundaries)
+    strict_conversation_cache: bool = False  # refuse the pool rather than shrink it to fit
     cache_dir: str | None = None  # where the default model is assembled
     progress: bool = True  # progress bars while assembling and loading
 
@@ -44,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        for name in ("conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
         if self.kv not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         try:
@@ -142,6 +154,7 @@ class Engine:
         )
         self._cache: KVCache = self.new_cache(self.context_length)
         self._cache_tokens: list[int] = []
+        self.conversations = self._reserve_conversation_cache(config)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
 
@@ -152,6 +165,26 @@ class Engine:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def _reserve_conversation_cache(self, config: EngineConfig) -> ConversationCache | None:
+        """The staging pool is reserved here, once; nothing later asks the host for more."""
+        if config.conversation_cache_mib == 0:
+            return None
+        pool, decision = StagingPool.reserve(
+            config.conversation_cache_mib * MiB,
+            min_free_bytes=config.min_free_mib * MiB,
+            memory=HostMemory(),
+            strict=config.strict_conversation_cache,
+            pin=self.model.device.type == "cuda",
+        )
+        self.pool_decision = decision
+        if pool.total_bytes == 0:
+            return None
+        return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the conversation cache (empty without one)."""
+        return {} if self.conversations is None else self.conversations.stats()
 
     # --- model ------------------------------------------------------------
 
@@ -181,14 +214,21 @@ class Engine:
     def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **sampling: Any):
         """Generate the assistant's reply to ``messages`` through the model's chat template."""
         prompt = self.chat_prompt(messages)
-        return self.stream(prompt, **sampling) if stream else self.generate(prompt, **sampling)
+        # Turn boundaries are where a returning conversation diverges: checkpoint there.
+        boundaries = [len(self.chat_prompt(messages[:i], add_generation_prompt=False)) for i in range(1, len(messages))]
+        run = self._start(prompt, sampling, boundaries, root=boundaries[0] if messages[0]["role"] == "system" and boundaries else None)
+        if stream:
+            return iter(run)
+        for _ in run:
+            pass
+        return run.completion
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"{self.gguf.path} has no chat template (tokenizer.chat_template); use generate() with a plain prompt"
             )
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         ids = self.tokenizer.encode(text, add_bos=False, special=True)
         bos = self.tokenizer.bos_id
         if self.tokenizer.vocab.add_bos and bos is not None and (not ids or ids[0] != bos):
@@ -227,7 +267,8 @@ class Engine:
             raise StrataError(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens")
         return tokens
 
-    def _start(self, prompt: str | Sequence[int], sampling: dict[str, Any]) -> "_Run":
+    def _start(self, prompt: str | Sequence[int], sampling: dict[str, Any],
+               boundaries: Sequence[int] = (), root: int | None = None) -> "_Run":
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
@@ -239,28 +280,51 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the context holds {self.context_length}; "
                 f"shorten the prompt or load with a larger context_length"
             )
-        return _Run(self, ids, params)
+        return _Run(self, ids, params, boundaries, root)
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
-        """Trim the live cache to its longest prefix shared with ``prompt``,
-        keeping at least one prompt token to prefill; return what is reused."""
+        """Make the live cache hold the longest prefix of ``prompt`` it can,
+        keeping at least one prompt token to prefill; return its length.
+
+        A prompt that extends the live sequence just continues it. Otherwise
+        the live sequence is parked and the best of itself, the parked
+        snapshots and the checkpoints is restored (with a conversation cache),
+        or the live cache is cut back where its rings allow."""
+        live = self._cache_tokens[: self._cache.length]
         shared = 0
-        for a, b in zip(self._cache_tokens, prompt):
+        for a, b in zip(live, prompt):
             if a != b:
                 break
             shared += 1
-        shared = self._cache.trim(min(shared, len(prompt) - 1))
-        self._cache_tokens = self._cache_tokens[:shared]
-        return shared
+        if shared == len(live) and shared < len(prompt):
+            return shared
+        cc = self.conversations
+        if cc is None:
+            return self._cache.trim(min(shared, len(prompt) - 1))
+        cc.park(self._cache, live)
+        outcome = cc.restore(self._cache, live, prompt)
+        return outcome.position if isinstance(outcome, Restored) else 0
+
+    def _prefill_with_checkpoints(self, prompt: list[int], boundaries: Sequence[int], root: int | None) -> None:
+        """Prefill up to each checkpoint position and save the running state there."""
+        cc = self.conversations
+        if cc is None:
+            return
+        for p in cc.checkpoint_positions(self._cache.length, len(prompt) - 1, boundaries):
+            forward_chunks(self.model, self._cache, prompt[self._cache.length:p], last_only=True)
+            cc.save_checkpoint(self._cache, prompt[:p], root=p == root)
 
 
 class _Run:
     """One generation: iterate for text pieces; ``completion`` when done."""
 
-    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams):
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams,
+                 boundaries: Sequence[int] = (), root: int | None = None):
         self.engine = engine
         self.prompt = prompt
         self.params = params
+        self.boundaries = boundaries
+        self.root = root
         self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -281,6 +345,7 @@ class _Run:
         e._cache_tokens = list(self.prompt[:cached])
         try:
             with torch.inference_mode():
+                e._prefill_with_checkpoints(self.prompt, self.boundaries, self.root)
                 for token in generate_tokens(
                     e.model, e._cache, self.prompt, Sampler(p), max_tokens, e.tokenizer.end_of_generation, prefilled
                 ):

@@ -109,7 +109,7 @@ class KVCache:
         for store in self.stores:
             first = max(0, self.length - store.capacity)
             slots = torch.arange(first, self.length, device=store.k.device) % store.capacity
-            layers.append({name: t[slots].clone() for name, t in _fields(store).items()})
+            layers.append({name: t[slots].clone() for name, t in store_fields(store).items()})
         return CacheSnapshot(self.fmt, self.length, layers)
 
     def import_(self, snapshot: CacheSnapshot) -> None:
@@ -121,7 +121,7 @@ class KVCache:
         for store, saved in zip(self.stores, snapshot.layers):
             first = max(0, snapshot.length - store.capacity)
             slots = torch.arange(first, snapshot.length, device=store.k.device) % store.capacity
-            for name, t in _fields(store).items():
+            for name, t in store_fields(store).items():
                 if saved[name].shape[0] != slots.shape[0]:
                     raise ValueError("the snapshot's layers were taken with different capacities")
                 t[slots] = saved[name].to(t.device)
@@ -132,7 +132,8 @@ def _capacity(window: int | None, max_tokens: int) -> int:
     return max_tokens if window is None else min(max_tokens, window + PREFILL_CHUNK)
 
 
-def _fields(store: KVStore) -> dict[str, torch.Tensor]:
+def store_fields(store: KVStore) -> dict[str, torch.Tensor]:
+    """A layer store's tensors by name (scales only where the format has them)."""
     out = {"k": store.k, "v": store.v}
     if store.k_scales is not None:
         out.update(k_scales=store.k_scales, v_scales=store.v_scales)

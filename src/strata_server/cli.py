@@ -27,6 +27,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL"),
@@ -36,6 +46,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")
     g.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+    c = p.add_argument_group("conversation cache")
+    c.add_argument("--conversation-cache-mib", type=_whole, default=1024,
+                   help="host staging pool for parked conversations, reserved at start (0: none)")
+    c.add_argument("--conversation-cache-slots", type=_whole, default=8, help="parked conversations kept at most")
+    c.add_argument("--min-free-mib", type=_whole, default=1024, help="host memory the pool must leave free")
+    c.add_argument("--checkpoint-every", type=_whole, default=2048,
+                   help="running-state checkpoints every N prompt tokens (0: turn boundaries only)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -101,6 +118,10 @@ def _load(args: argparse.Namespace):
         kv=args.kv,
         context_length=args.context_length,
         threads=args.threads,
+        conversation_cache_mib=args.conversation_cache_mib,
+        conversation_cache_slots=args.conversation_cache_slots,
+        min_free_mib=args.min_free_mib,
+        checkpoint_every=args.checkpoint_every,
         cache_dir=os.environ.get("STRATA_CACHE_DIR"),
     )
 

@@ -1,0 +1,81 @@
+"""Conversations through the engine: park and restore between alternating
+conversations give the same greedy tokens as cold runs; faults never reach
+the request."""
+
+from __future__ import annotations
+
+import pytest
+
+import strata_runtime
+from strata_runtime.testing import POINTS, inject_fault
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one short sentence."}
+TOPICS = [
+    ["Tell me about the river Danube.", "Which countries does it cross?", "And its length?"],
+    ["Explain what a prime number is.", "Is 91 prime?", "What is the next prime after 97?"],
+]
+
+
+def _conversation_turns(engine, topic, answers):
+    messages = [SYSTEM]
+    for i, question in enumerate(topic):
+        messages.append({"role": "user", "content": question})
+        yield list(messages)
+        messages.append({"role": "assistant", "content": answers[i]})
+
+
+def _cold(model_file, kv, prompts):
+    cold = strata_runtime.load(model_file, kv=kv, progress=False, context_length=1024, conversation_cache_mib=0)
+    return [cold.generate(p, max_tokens=6, temperature=0).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("kv", ["f16", "int8", "k8v4"])
+def test_alternating_conversations_equal_cold_runs(model_file, kv):
+    engine = strata_runtime.load(model_file, kv=kv, progress=False, context_length=1024,
+                                 conversation_cache_mib=64, min_free_mib=0, checkpoint_every=64)
+    answers = [["It is a long river in Europe."] * 3, ["A number with exactly two divisors."] * 3]
+    turns = [list(_conversation_turns(engine, t, a)) for t, a in zip(TOPICS, answers)]
+    order = [turns[0][0], turns[1][0], turns[0][1], turns[1][1], turns[0][2], turns[1][2]]
+    prompts = [engine.chat_prompt(m) for m in order]
+    warm = []
+    for messages in order:
+        warm.append(engine.chat(messages, max_tokens=6, temperature=0))
+    assert [w.tokens for w in warm] == _cold(model_file, kv, prompts)
+    stats = engine.stats()
+    assert stats["parked"] >= 4 and stats["restored"] >= 4
+    assert any(w.cached_tokens > 30 for w in warm[2:])  # returning conversations skipped most of their prefill
+    assert stats["pool_bytes_used"] <= stats["pool_bytes_total"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_every_fault_point_is_survived(model_file, point):
+    engine = strata_runtime.load(model_file, progress=False, context_length=512,
+                                 conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)
+    prompts = [engine.tokenize(t) for t in (
+        "The history of the printing press begins in the fifteenth century, when",
+        "A recipe for bread needs flour, water, salt and yeast, and",
+        "The history of the printing press begins in the fifteenth century, when Gutenberg",
+    )]
+    cold = _cold(model_file, "f16", prompts)
+    with inject_fault(point, rate=0.5, seed=1) as fault:
+        out = [engine.generate(p, max_tokens=6, temperature=0).tokens for p in prompts]
+    assert out == cold
+    assert fault.calls > 0
+    skipped = sum(v for k, v in engine.stats().items() if k.endswith("_skipped"))
+    assert fault.fired > 0 and skipped >= fault.fired
+
+
+def test_no_conversation_cache_still_reuses_the_live_prefix(model_file):
+    engine = strata_runtime.load(model_file, progress=False, context_length=256, conversation_cache_mib=0)
+    assert engine.conversations is None and engine.stats() == {}
+    engine.generate("The capital of France is", max_tokens=2, temperature=0)
+    again = engine.generate("The capital of France is Paris, and", max_tokens=2, temperature=0)
+    assert again.cached_tokens > 0
+
+
+def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
+    engine = strata_runtime.load(model_file, progress=False, context_length=64,
+                                 conversation_cache_mib=10_000_000, strict_conversation_cache=True)
+    assert engine.conversations is None
+    assert "refused (strict)" in engine.pool_decision.message
+    assert engine.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2

@@ -232,10 +232,11 @@ class ConversationCache:
     def park(self, cache: KVCache, tokens: Sequence[int]) -> Outcome:
         """Copy the live sequence (``tokens``, all in ``cache``) into the pool."""
         tokens = tuple(tokens[:cache.length])
+        # Nothing to do is not a failure: neither logged as one nor counted as skipped.
         if len(tokens) < self.min_park_tokens:
-            return self._record(Skipped(f"skip parking ({len(tokens)} tokens is too short to be worth it)"), "park")
+            return Skipped(f"not parked ({len(tokens)} tokens is too short to be worth it)")
         if any(s.tokens == tokens for s in self.snapshots):
-            return self._record(Skipped("skip parking (already parked)"), "park")
+            return Skipped("not parked (already parked)")
         t0 = time.perf_counter()
         layers = [(i, max(0, len(tokens) - s.capacity), len(tokens)) for i, s in enumerate(cache.stores)]
         # A snapshot this sequence extends is superseded: free its pages first.

@@ -135,3 +135,17 @@ def test_eviction_by_slots_and_by_bytes(engine, pool_mib, slots, kept):
     assert [snap.tokens for snap in cc.snapshots] == [tuple(seqs[i]) for i in kept]
     assert cc.counters["evictions"] == 3 - len(kept)
     assert cc.pool.used_bytes == sum(cc.pool.pages_for(s.stored.nbytes) for s in cc.snapshots) * MiB
+
+
+def test_checkpoints_never_evict_a_parked_conversation(engine):
+    cc = ConversationCache(StagingPool(8, MiB), slots=4)
+    cache = engine.new_cache(512)
+    a = _tokens(200, 30)  # about 7 MiB parked
+    _run(engine, cache, a)
+    assert isinstance(cc.park(cache, a), Parked)
+    cache.reset()
+    b = _tokens(100, 31)
+    _run(engine, cache, b)
+    outcome = cc.save_checkpoint(cache, b)
+    assert isinstance(outcome, Skipped) and "staging pool" in outcome.reason
+    assert [s.tokens for s in cc.snapshots] == [tuple(a)]

@@ -79,3 +79,40 @@ def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
     assert engine.conversations is None
     assert "refused (strict)" in engine.pool_decision.message
     assert engine.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
+
+
+def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model_file, caplog):
+    """The outage this project exists to prevent, scaled down: two ~600-token
+    conversations alternate for 20 requests; the pool holds less than two
+    snapshots and the slots allow more than fit. Every request is served,
+    nothing raises, outputs equal runs without any conversation cache, and
+    the counters agree with the log."""
+    caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
+    engine = strata_runtime.load(model_file, progress=False, context_length=1024, conversation_cache_mib=32,
+                                 conversation_cache_slots=8, min_free_mib=0, checkpoint_every=256)
+    references = [strata_runtime.load(model_file, progress=False, context_length=1024, conversation_cache_mib=0)
+                  for _ in range(2)]
+    texts = ["The history of the printing press begins with Gutenberg in Mainz. ",
+             "Rivers of Europe include the Danube, the Rhine and the Elbe. "]
+    prompts = [engine.tokenize(t * 45) for t in texts]  # ~600 tokens each
+    snapshot_bytes = 18 * 600 * 2 * 256 * 4
+    assert engine.conversations.pool.total_bytes < 2 * snapshot_bytes
+    for request in range(20):
+        c = request % 2
+        prompts[c] = prompts[c] + engine.tokenize(f" Question {request}: and then?", add_bos=False)
+        out = engine.generate(prompts[c], max_tokens=4, temperature=0)
+        expected = references[c].generate(prompts[c], max_tokens=4, temperature=0)
+        assert out.tokens == expected.tokens, f"request {request}"
+    # The last prompt of each conversation, cold: the two share only BOS, so
+    # one engine without a conversation cache prefills each from scratch.
+    cold = strata_runtime.load(model_file, progress=False, context_length=1024, conversation_cache_mib=0)
+    for c in range(2):
+        assert cold.generate(prompts[c], max_tokens=4, temperature=0).tokens == \
+            references[c].generate(prompts[c], max_tokens=4, temperature=0).tokens
+    stats = engine.stats()
+    lines = [r.getMessage() for r in caplog.records]
+    assert stats["parked"] == sum(m.startswith("conversation cache: parked") for m in lines) >= 19
+    assert stats["restored"] == sum(m.startswith("conversation cache: restored") for m in lines)
+    assert stats.get("park_skipped", 0) == sum(m.startswith("conversation cache: skip parking") for m in lines)
+    assert stats["evictions"] >= 18
+    assert stats["pool_bytes_used"] <= stats["pool_bytes_total"]

@@ -155,7 +155,7 @@ class ConversationCache:
         except RuntimeError as e:  # CUDA errors surface as RuntimeError
             return Skipped(f"copy failed: {str(e).splitlines()[0][:120]}")
 
-    def _lease(self, nbytes: int, what: str) -> Lease | Skipped:
+    def _lease(self, nbytes: int, what: str, evict_snapshots: bool) -> Lease | Skipped:
         if nbytes > self.pool.total_bytes:
             return Skipped(f"staging pool: {what} needs {_mib(nbytes)}, the whole pool is {_mib(self.pool.total_bytes)}")
         evicted = 0
@@ -169,14 +169,18 @@ class ConversationCache:
                 if evicted:
                     self.counters["evictions"] += evicted
                 return lease
-            if not self._evict_one():
+            if not self._evict_one(evict_snapshots):
                 return Skipped(f"staging pool: need {_mib(nbytes)}, {_mib(self.pool.free_bytes)} free "
                                f"after evicting {evicted}")
             evicted += 1
 
-    def _evict_one(self) -> bool:
-        """Free the least recently used snapshot or non-root checkpoint."""
-        victims = [s for s in self.snapshots] + [c for c in self.checkpoints if not c.root]
+    def _evict_one(self, evict_snapshots: bool) -> bool:
+        """Free the least recently used non-root checkpoint or (when a
+        snapshot is asking) snapshot. A checkpoint never displaces a parked
+        conversation: that would trade a whole conversation for a shortcut."""
+        victims = [c for c in self.checkpoints if not c.root]
+        if evict_snapshots:
+            victims += self.snapshots
         if not victims:
             return False
         victim = min(victims, key=lambda x: x.last_used)
@@ -217,7 +221,7 @@ class ConversationCache:
 
     def _store(self, cache: KVCache, layers, point: str, what: str) -> _Stored | Skipped:
         parts, nbytes = self._plan(cache, layers)
-        lease = self._lease(nbytes, what)
+        lease = self._lease(nbytes, what, evict_snapshots=point == "park_copy")
         if isinstance(lease, Skipped):
             return lease
         stored = _Stored(lease, parts, nbytes)

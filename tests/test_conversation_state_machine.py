@@ -1,0 +1,68 @@
+"""Random request sequences from several conversations, with random faults at
+every injection point: the engine never raises, every answer equals a cold
+run, and the pool's books balance after every step."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import strata_runtime
+from strata_runtime.testing import POINTS, inject_fault
+
+_engines: dict[str, object] = {}
+
+
+def _engines_for(model_file):
+    if not _engines:
+        _engines["warm"] = strata_runtime.load(model_file, progress=False, context_length=256,
+                                               conversation_cache_mib=12, conversation_cache_slots=3,
+                                               min_free_mib=0, checkpoint_every=24)
+        _engines["cold"] = strata_runtime.load(model_file, progress=False, context_length=256,
+                                               conversation_cache_mib=0)
+    return _engines["warm"], _engines["cold"]
+
+
+def test_random_conversations_with_random_faults(model_file):
+    warm, cold = _engines_for(model_file)
+
+    class Conversations(RuleBasedStateMachine):
+        @initialize()
+        def start(self):
+            self.prompts = [[2] for _ in range(3)]
+
+        @rule(c=st.integers(0, 2), extra=st.lists(st.integers(300, 20000), min_size=8, max_size=30),
+              cut=st.integers(0, 40), point=st.sampled_from(POINTS + ("none",)), rate=st.sampled_from([0.3, 1.0]))
+        def request(self, c, extra, cut, point, rate):
+            # Sometimes a conversation goes back a few tokens (an edited turn) before going on.
+            base = self.prompts[c][: max(1, len(self.prompts[c]) - cut)]
+            prompt = (base + extra)[:200]
+            self.prompts[c] = prompt
+            if point == "none":
+                out = warm.generate(prompt, max_tokens=1, temperature=0)
+            else:
+                with inject_fault(point, rate=rate, seed=len(prompt)):
+                    out = warm.generate(prompt, max_tokens=1, temperature=0)
+            expected = int(cold.logits(prompt)[-1].argmax())
+            assert out.tokens == [expected]
+
+        @invariant()
+        def books_balance(self):
+            cc = warm.conversations
+            leased = sum(cc.pool.pages_for(x.stored.nbytes) for x in cc.snapshots + cc.checkpoints)
+            assert cc.pool.used_bytes == leased * cc.pool.page_bytes
+            assert len(cc.snapshots) <= cc.slots
+
+    Conversations.TestCase.settings = settings(
+        max_examples=6, stateful_step_count=8, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    with torch.inference_mode():
+        Conversations.TestCase().runTest()
+    stats = warm.stats()
+    print(stats)
+    # The sequences did exercise the cache, and faults did land.
+    assert stats.get("parked", 0) > 0 and stats.get("restored", 0) > 0
+    assert sum(v for k, v in stats.items() if k.endswith("_skipped")) > 0

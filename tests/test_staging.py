@@ -89,13 +89,22 @@ def test_copies_round_trip_across_page_boundaries():
 
 def test_no_host_allocation_after_start():
     """A child reserves the pool, then caps its address space at what it has:
-    any further host allocation of size fails, yet leases and copies work."""
+    any further host allocation of size fails, yet parking, checkpoints and
+    restores of a real KV cache keep working."""
     code = textwrap.dedent("""
         import resource, torch
+        from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Saved
+        from strata_runtime.kv_cache import KVCache
         from strata_runtime.staging import StagingPool
-        pool = StagingPool(64, 1 << 20)                  # 64 MiB, reserved at start
-        src = torch.randn(4 << 20)                       # 16 MiB of live state to park
-        dst = torch.empty_like(src)
+        cc = ConversationCache(StagingPool(64, 1 << 20), slots=2)   # 64 MiB, reserved at start
+        cache = KVCache("int8", [64, None, 64, None], 2, 128, 4096)
+        for store in cache.stores:                   # about 1 MiB of live state per sequence
+            store.k.random_(-127, 127)
+            store.v.random_(-127, 127)
+            store.k_scales.uniform_()
+            store.v_scales.uniform_()
+        before = [s.k.clone() for s in cache.stores]
+        tokens = list(range(1000))
         vm = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()
         resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), resource.RLIM_INFINITY))
         try:
@@ -103,12 +112,16 @@ def test_no_host_allocation_after_start():
             print('allocation after start unexpectedly succeeded')
         except (RuntimeError, MemoryError):
             pass
-        for _ in range(20):                              # park and restore, over and over
-            lease = pool.lease(src.numel() * 4)
-            lease.copy_in(0, src)
-            lease.copy_out(0, dst)
-            pool.release(lease)
-        print('ok', bool(torch.equal(src, dst)))
+        ok = True
+        for i in range(20):                          # park, checkpoint, restore, over and over
+            cache.length = 1000
+            ok &= isinstance(cc.park(cache, tokens[:999] + [i]), Parked)
+            ok &= isinstance(cc.save_checkpoint(cache, tokens[:999] + [i]), Saved)
+            for s in cache.stores:
+                s.k.zero_()
+            ok &= cc.restore(cache, [], tokens[:999] + [i, 7]) == Restored(1000, "parked")
+            ok &= all(torch.equal(s.k[:1000], b[:1000]) for s, b in zip(cache.stores, before) if s.capacity >= 1000)
+        print('ok', bool(ok))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["ok", "True"], out.stdout + out.stderr

@@ -139,6 +139,9 @@ class ConversationCache:
         self.snapshots: list[Snapshot] = []
         self.checkpoints: list[Checkpoint] = []
         self.counters: Counter[str] = Counter()
+        # Copies between a GPU cache and the (pinned) pool run on their own
+        # stream, so they overlap other work instead of queueing behind it.
+        self._copy_stream = torch.cuda.Stream() if pool.buffer.is_pinned() and torch.cuda.is_available() else None
 
     # --- the one copy function ------------------------------------------------
 
@@ -146,9 +149,15 @@ class ConversationCache:
         """Run a device/host copy; a device-side failure becomes ``Skipped``."""
         try:
             fault_point(point)
-            work()
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
+            if self._copy_stream is None:
+                work()
+            else:
+                # Wait for the writes that produced the cache, copy, and finish
+                # before anyone reads the pages or the restored cache.
+                self._copy_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._copy_stream):
+                    work()
+                self._copy_stream.synchronize()
             return None
         except (torch.OutOfMemoryError, MemoryError) as e:
             return Skipped(f"copy failed: out of memory ({e})")

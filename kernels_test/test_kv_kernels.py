@@ -26,9 +26,9 @@ def _rand(*shape, seed):
 def test_quantize_on_write_triton_equals_torch(fmt, head_dim):
     keys, values = _rand(9, 2, head_dim, seed=1) * 3, _rand(9, 2, head_dim, seed=2)
     keys[3] = 0.0  # an all-zero row: scale 0, codes 0
-    positions = torch.tensor([0, 5, 6, 7, 8, 9, 10, 11, 12])
-    a = KVStore.allocate(fmt, 11, 2, head_dim)
-    b = KVStore.allocate(fmt, 11, 2, head_dim)
+    positions = torch.tensor([16, 5, 6, 7, 8, 9, 10, 11, 12])  # distinct slots, one wrapped
+    a = KVStore.allocate(fmt, 13, 2, head_dim)
+    b = KVStore.allocate(fmt, 13, 2, head_dim)
     kv_write(a, positions, keys, values, backend="torch")
     kv_write(b, positions, keys, values, backend="triton")
     for name in ("k", "v", "k_scales", "v_scales"):

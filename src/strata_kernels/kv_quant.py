@@ -110,7 +110,11 @@ def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              backend: str = "auto") -> None:
-    """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into the slots of ``positions`` ``[T]``, in place."""
+    """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into the slots of ``positions`` ``[T]``, in place.
+
+    Positions must fall in distinct slots (``p % capacity``); consecutive
+    positions, as a sequence writes them, always do. Two rows aimed at one
+    slot would race."""
     if keys.shape != values.shape or keys.dim() != 3 or keys.shape[1:] != (store.kv_heads, store.head_dim):
         raise ValueError(
             f"keys and values must both be [T, {store.kv_heads}, {store.head_dim}], "

@@ -214,9 +214,13 @@ class Engine:
     def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **sampling: Any):
         """Generate the assistant's reply to ``messages`` through the model's chat template."""
         prompt = self.chat_prompt(messages)
-        # Turn boundaries are where a returning conversation diverges: checkpoint there.
-        boundaries = [len(self.chat_prompt(messages[:i], add_generation_prompt=False)) for i in range(1, len(messages))]
-        run = self._start(prompt, sampling, boundaries, root=boundaries[0] if messages[0]["role"] == "system" and boundaries else None)
+        # Turn boundaries are where a returning conversation diverges: checkpoint
+        # there. Rendering each prefix costs tokenizer work, so only with a cache.
+        boundaries = [] if self.conversations is None else [
+            len(self.chat_prompt(messages[:i], add_generation_prompt=False)) for i in range(1, len(messages))
+        ]
+        root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None
+        run = self._start(prompt, sampling, boundaries, root=root)
         if stream:
             return iter(run)
         for _ in run:

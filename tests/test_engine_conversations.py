@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from test_memory import _proc, _v2
+
 import strata_runtime
+from strata_runtime.memory import MiB, HostMemory
 from strata_runtime.testing import POINTS, inject_fault
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one short sentence."}
@@ -68,8 +71,12 @@ def test_every_fault_point_is_survived(model_file, point, rate):
         out = [engine.generate(p, max_tokens=6, temperature=0).tokens for p in prompts]
     assert out == cold
     assert fault.calls > 0
-    skipped = sum(v for k, v in engine.stats().items() if k.endswith("_skipped"))
+    stats = engine.stats()
+    skipped = sum(v for k, v in stats.items() if k.endswith("_skipped"))
     assert fault.fired > 0 and skipped >= fault.fired
+    assert sum(stats["skipped_by_reason"].values()) == skipped
+    expected_cause = "lease_failed" if point == "staging_lease" else "out_of_memory"
+    assert all(k.endswith(":" + expected_cause) for k in stats["skipped_by_reason"]), stats["skipped_by_reason"]
 
 
 def test_no_conversation_cache_still_reuses_the_live_prefix(model_file):
@@ -80,12 +87,49 @@ def test_no_conversation_cache_still_reuses_the_live_prefix(model_file):
     assert again.cached_tokens > 0
 
 
+def _alternate(engine, n=3):
+    prompts = ["The history of the printing press begins in the fifteenth century in Mainz, when",
+               "A recipe for a simple country bread needs flour, water, salt and a little yeast, and"]
+    return [engine.generate(prompts[i % 2], max_tokens=2, temperature=0).tokens for i in range(n)]
+
+
 def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
     engine = strata_runtime.load(model_file, progress=False, context_length=64,
                                  conversation_cache_mib=10_000_000, strict_conversation_cache=True)
-    assert engine.conversations is None
+    assert engine.conversations.pool.total_bytes == 0
     assert "refused (strict)" in engine.pool_decision.message
-    assert engine.generate("Hello", max_tokens=2, temperature=0).completion_tokens == 2
+    assert all(len(t) == 2 for t in _alternate(engine))
+    stats = engine.stats()
+    assert stats["park_skipped"] == stats["skipped_by_reason"]["park:no_pool"] == 2
+    assert "refused (strict)" in stats["pool_decision"]
+
+
+def test_load_admits_the_pool_against_a_cgroup_tighter_than_mem_available(model_file, tmp_path, caplog):
+    """A fake cgroup v2 tree leaving 300 MiB while MemAvailable says 8 GiB:
+    load() shrinks the requested 1 GiB pool to 300 MiB minus the 100 MiB floor."""
+    caplog.set_level("INFO", logger="strata_runtime.staging")
+    proc = _proc(tmp_path, available_kb=8 * 1024 * 1024, cgroup="0::/svc\n")
+    cg = _v2(tmp_path, "/svc", str(4096 * MiB), current=(4096 - 300) * MiB, inactive=0)
+    engine = strata_runtime.load(model_file, progress=False, context_length=128, memory=HostMemory(proc, cg),
+                                 conversation_cache_mib=1024, min_free_mib=100)
+    assert engine.conversations.pool.total_bytes == 200 * MiB
+    assert "shrunk to fit: 200 MiB of 1024 MiB requested (headroom 300 MiB; floor 100 MiB)" in caplog.text
+    _alternate(engine)
+    assert engine.stats()["parked"] == 2
+
+
+def test_load_with_unknown_telemetry_refuses_parking_with_the_reason(model_file, tmp_path, caplog):
+    caplog.set_level("INFO", logger="strata_runtime")
+    proc = _proc(tmp_path, available_kb="lots")
+    engine = strata_runtime.load(model_file, progress=False, context_length=128, memory=HostMemory(proc, tmp_path),
+                                 conversation_cache_mib=64, min_free_mib=0)
+    assert engine.conversations.pool.total_bytes == 0
+    cold = strata_runtime.load(model_file, progress=False, context_length=128, conversation_cache_mib=0)
+    assert _alternate(engine) == _alternate(cold)
+    assert engine.stats()["skipped_by_reason"] == {"park:no_pool": 2}
+    skips = [r.getMessage() for r in caplog.records if "skip parking" in r.getMessage()]
+    assert len(skips) == 2
+    assert "skip parking (no staging pool: refused: memory telemetry unknown: cannot parse" in skips[0]
 
 
 def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model_file, caplog):
@@ -119,7 +163,8 @@ def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model
     stats = engine.stats()
     lines = [r.getMessage() for r in caplog.records]
     assert stats["parked"] == sum(m.startswith("conversation cache: parked") for m in lines) >= 19
-    assert stats["restored"] == sum(m.startswith("conversation cache: restored") for m in lines)
+    assert stats.get("restored", 0) == sum(m.startswith("conversation cache: restored") for m in lines)
+    assert stats.get("live_reused", 0) == sum(m.startswith("conversation cache: reused") for m in lines)
     assert stats.get("park_skipped", 0) == sum(m.startswith("conversation cache: skip parking") for m in lines)
     assert stats["evictions"] >= 18
     assert stats["pool_bytes_used"] <= stats["pool_bytes_total"]

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -45,7 +45,24 @@ class Saved:
 
 @dataclass(frozen=True)
 class Skipped:
+    """Work not done. ``reason`` is the log text; ``cause`` a short label
+    that counters and metrics group by (see ``CAUSES``)."""
+
     reason: str
+    cause: str = "other"
+
+
+# Why an optimization was skipped, as counted in ``stats()["skipped_by_reason"]``.
+CAUSES = {
+    "no_pool": "the staging pool was refused at start (telemetry unknown, no room, or strict)",
+    "too_large": "larger than the whole staging pool",
+    "pool_full": "not enough free pages even after evicting what may be evicted",
+    "lease_failed": "taking pages from the pool raised",
+    "out_of_memory": "the copy ran out of memory",
+    "copy_failed": "the copy raised another device error",
+    "no_running_state": "the model has no running state to checkpoint",
+    "not_needed": "nothing to do (too short, already parked); neither logged nor counted",
+}
 
 
 Outcome = Parked | Restored | Saved | Skipped
@@ -131,7 +148,8 @@ class ConversationCache:
     most ``slots`` snapshots are kept; counters count every outcome.
     """
 
-    def __init__(self, pool: StagingPool, slots: int = 8, checkpoint_every: int = 0, min_park_tokens: int = 16):
+    def __init__(self, pool: StagingPool, slots: int = 8, checkpoint_every: int = 0, min_park_tokens: int = 16,
+                 pool_refusal: str = "the pool is empty"):
         self.pool = pool
         self.slots = slots
         self.checkpoint_every = checkpoint_every
@@ -139,6 +157,8 @@ class ConversationCache:
         self.snapshots: list[Snapshot] = []
         self.checkpoints: list[Checkpoint] = []
         self.counters: Counter[str] = Counter()
+        self.skipped_by_reason: Counter[str] = Counter()  # "kind:cause" -> count
+        self.pool_refusal = pool_refusal
         # Copies between a GPU cache and the (pinned) pool run on their own
         # stream, so they overlap other work instead of queueing behind it.
         self._copy_stream = torch.cuda.Stream() if pool.buffer.is_pinned() and torch.cuda.is_available() else None
@@ -160,27 +180,30 @@ class ConversationCache:
                 self._copy_stream.synchronize()
             return None
         except (torch.OutOfMemoryError, MemoryError) as e:
-            return Skipped(f"copy failed: out of memory ({e})")
+            return Skipped(f"copy failed: out of memory ({e})", "out_of_memory")
         except RuntimeError as e:  # CUDA errors surface as RuntimeError
-            return Skipped(f"copy failed: {str(e).splitlines()[0][:120]}")
+            return Skipped(f"copy failed: {str(e).splitlines()[0][:120]}", "copy_failed")
 
     def _lease(self, nbytes: int, what: str, evict_snapshots: bool) -> Lease | Skipped:
+        if self.pool.total_bytes == 0:
+            return Skipped(f"no staging pool: {self.pool_refusal}", "no_pool")
         if nbytes > self.pool.total_bytes:
-            return Skipped(f"staging pool: {what} needs {_mib(nbytes)}, the whole pool is {_mib(self.pool.total_bytes)}")
+            return Skipped(f"staging pool: {what} needs {_mib(nbytes)}, the whole pool is {_mib(self.pool.total_bytes)}",
+                           "too_large")
         evicted = 0
         while True:
             try:
                 fault_point("staging_lease")
                 lease = self.pool.lease(nbytes)
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-                return Skipped(f"staging pool: lease failed ({e})")
+                return Skipped(f"staging pool: lease failed ({e})", "lease_failed")
             if lease is not None:
                 if evicted:
                     self.counters["evictions"] += evicted
                 return lease
             if not self._evict_one(evict_snapshots):
                 return Skipped(f"staging pool: need {_mib(nbytes)}, {_mib(self.pool.free_bytes)} free "
-                               f"after evicting {evicted}")
+                               f"after evicting {evicted}", "pool_full")
             evicted += 1
 
     def _evict_one(self, evict_snapshots: bool) -> bool:
@@ -247,9 +270,9 @@ class ConversationCache:
         tokens = tuple(tokens[:cache.length])
         # Nothing to do is not a failure: neither logged as one nor counted as skipped.
         if len(tokens) < self.min_park_tokens:
-            return Skipped(f"not parked ({len(tokens)} tokens is too short to be worth it)")
+            return Skipped(f"not parked ({len(tokens)} tokens is too short to be worth it)", "not_needed")
         if any(s.tokens == tokens for s in self.snapshots):
-            return Skipped("not parked (already parked)")
+            return Skipped("not parked (already parked)", "not_needed")
         t0 = time.perf_counter()
         layers = [(i, max(0, len(tokens) - s.capacity), len(tokens)) for i, s in enumerate(cache.stores)]
         # A snapshot this sequence extends is superseded: free its pages first.
@@ -260,7 +283,7 @@ class ConversationCache:
             self.counters["evictions"] += 1
         stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot")
         if isinstance(stored, Skipped):
-            return self._record(Skipped(f"skip parking ({stored.reason})"), "park")
+            return self._record(Skipped(f"skip parking ({stored.reason})", stored.cause), "park")
         self.snapshots.append(Snapshot(tokens, stored))
         return self._record(Parked(len(tokens), stored.nbytes, time.perf_counter() - t0), "park")
 
@@ -272,7 +295,7 @@ class ConversationCache:
         p = len(tokens)
         sliding = [(i, max(0, p - w), p) for i, w in enumerate(cache.windows) if w is not None]
         if not sliding:
-            return self._record(Skipped("checkpoint save skipped (no running state)"), "checkpoint")
+            return self._record(Skipped("checkpoint save skipped (no running state)", "no_running_state"), "checkpoint")
         for c in self.checkpoints:
             if c.tokens == tokens:
                 c.root |= root
@@ -280,7 +303,7 @@ class ConversationCache:
                 return self._record(Saved(p, c.stored.nbytes), "checkpoint")
         stored = self._store(cache, sliding, "checkpoint_copy", f"a checkpoint at {p}")
         if isinstance(stored, Skipped):
-            return self._record(Skipped(f"checkpoint save skipped ({stored.reason})"), "checkpoint")
+            return self._record(Skipped(f"checkpoint save skipped ({stored.reason})", stored.cause), "checkpoint")
         self.checkpoints.append(Checkpoint(tokens, stored, root))
         return self._record(Saved(p, stored.nbytes), "checkpoint")
 
@@ -322,26 +345,32 @@ class ConversationCache:
             cache.reset()  # if the copy fails midway, the live state is cold and consistent
             failed = self._copy("restore_copy", lambda: self._copy_parts(cache, snap.stored, False, upto=position))
             if failed:
-                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch"), "restore")
+                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch", failed.cause),
+                                    "restore")
             snap.last_used = time.monotonic()
         if cp is not None:
             failed = self._copy("restore_copy", lambda: self._copy_parts(cache, cp.stored, False))
             if failed:
                 cache.reset()
-                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch"), "restore")
+                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch", failed.cause),
+                                    "restore")
             cp.last_used = time.monotonic()
         cache.length = position
-        source = "parked" if snap is not None else "live"
-        return self._record(Restored(position, source), "restore", time.perf_counter() - t0)
+        if snap is None:
+            # Cutting the live sequence back is no restore: counted apart.
+            return self._record(Restored(position, "live"), "reuse", time.perf_counter() - t0)
+        return self._record(Restored(position, "parked"), "restore", time.perf_counter() - t0)
 
     # --- bookkeeping -------------------------------------------------------------------
 
     def _record(self, outcome: Outcome, kind: str, seconds: float = 0.0) -> Outcome:
         if isinstance(outcome, Skipped):
             self.counters[f"{kind}_skipped"] += 1
+            self.skipped_by_reason[f"{kind}:{outcome.cause}"] += 1
             log.warning("conversation cache: %s; %s", outcome.reason, self._summary())
         else:
-            self.counters[{"park": "parked", "restore": "restored", "checkpoint": "checkpoints_saved"}[kind]] += 1
+            done = {"park": "parked", "restore": "restored", "reuse": "live_reused", "checkpoint": "checkpoints_saved"}
+            self.counters[done[kind]] += 1
             log.info("conversation cache: %s; %s", _describe(outcome, seconds), self._summary())
         return outcome
 
@@ -349,9 +378,13 @@ class ConversationCache:
         return (f"parked={len(self.snapshots)} checkpoints={len(self.checkpoints)} "
                 f"bytes={self.pool.used_bytes} evictions={self.counters['evictions']}")
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """Counters (``parked``, ``restored``, ``live_reused``, ``checkpoints_saved``,
+        ``<kind>_skipped``, ``evictions``), ``skipped_by_reason`` keyed
+        ``"<kind>:<cause>"``, and the pool's current figures."""
         return {
             **self.counters,
+            "skipped_by_reason": dict(self.skipped_by_reason),
             "parked_now": len(self.snapshots),
             "checkpoints_now": len(self.checkpoints),
             "pool_bytes_used": self.pool.used_bytes,
@@ -362,8 +395,10 @@ class ConversationCache:
 def _describe(outcome: Outcome, seconds: float) -> str:
     if isinstance(outcome, Parked):
         return f"parked {outcome.tokens} tokens in {outcome.seconds * 1e3:.1f} ms"
+    if isinstance(outcome, Restored) and outcome.source == "live":
+        return f"reused {outcome.position} tokens of the live sequence in {seconds * 1e3:.1f} ms"
     if isinstance(outcome, Restored):
-        return f"restored {outcome.position} tokens from {outcome.source} in {seconds * 1e3:.1f} ms"
+        return f"restored {outcome.position} tokens from a parked snapshot in {seconds * 1e3:.1f} ms"
     return f"checkpoint saved at {outcome.position} ({_mib(outcome.bytes)})"
 
 

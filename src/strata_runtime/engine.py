@@ -103,10 +103,12 @@ class Completion:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def load(path: str | Path | None = None, **options: Any) -> "Engine":
+def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **options: Any) -> "Engine":
     """Load a GGUF model (``path=None``: the embedded default model).
 
     Options: see ``EngineConfig`` (``dtype="float32"`` is the exact path).
+    ``memory`` is the host telemetry the staging pool is admitted against
+    (default: this host's ``/proc`` and cgroup files).
     """
     config = EngineConfig.from_options(options)
     device = torch.device(config.device)
@@ -127,7 +129,7 @@ def load(path: str | Path | None = None, **options: Any) -> "Engine":
 
         with torch.inference_mode():
             model = module.Model(args, weights, DTYPES[config.dtype]).to(device)
-    return Engine(gguf, model, tokenizer, config)
+    return Engine(gguf, model, tokenizer, config, memory)
 
 
 class Engine:
@@ -138,7 +140,8 @@ class Engine:
     that prefix and prefills only the rest.
     """
 
-    def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig):
+    def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig,
+                 memory: HostMemory | None = None):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.gguf = gguf
@@ -154,7 +157,7 @@ class Engine:
         )
         self._cache: KVCache = self.new_cache(self.context_length)
         self._cache_tokens: list[int] = []
-        self.conversations = self._reserve_conversation_cache(config)
+        self.conversations = self._reserve_conversation_cache(config, memory)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
 
@@ -166,25 +169,30 @@ class Engine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def _reserve_conversation_cache(self, config: EngineConfig) -> ConversationCache | None:
+    def _reserve_conversation_cache(self, config: EngineConfig, memory: HostMemory | None) -> ConversationCache | None:
         """The staging pool is reserved here, once; nothing later asks the host for more."""
+        self.pool_decision = None
         if config.conversation_cache_mib == 0:
             return None
         pool, decision = StagingPool.reserve(
             config.conversation_cache_mib * MiB,
             min_free_bytes=config.min_free_mib * MiB,
-            memory=HostMemory(),
+            memory=memory or HostMemory(),
             strict=config.strict_conversation_cache,
             pin=self.model.device.type == "cuda",
         )
         self.pool_decision = decision
-        if pool.total_bytes == 0:
-            return None
-        return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every)
+        # A refused pool still gets a cache: each park and checkpoint is then
+        # skipped, logged and counted with the refusal's reason.
+        return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
+                                 pool_refusal=decision.message.removeprefix("staging pool: "))
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the conversation cache (empty without one)."""
-        return {} if self.conversations is None else self.conversations.stats()
+        """Counters of the conversation cache (empty without one) and the
+        staging pool's admission decision."""
+        if self.conversations is None:
+            return {}
+        return {**self.conversations.stats(), "pool_decision": self.pool_decision.message}
 
     # --- model ------------------------------------------------------------
 

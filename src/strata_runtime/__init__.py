@@ -9,12 +9,13 @@ Importing this package does no work; ``load`` does.
 
 from .chat_template import ChatTemplateError
 from .engine import Completion, Engine, EngineConfig, load
-from .errors import ModelFileError, StrataError
+from .errors import ContextLengthError, ModelFileError, StrataError
 from .sampling import SamplingParams
 
 __all__ = [
     "ChatTemplateError",
     "Completion",
+    "ContextLengthError",
     "Engine",
     "EngineConfig",
     "ModelFileError",

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from .chat_template import ChatTemplate, ChatTemplateError
 from .conversation_cache import ConversationCache, Restored
 from .default_model import default_model_path
-from .errors import StrataError
+from .errors import ContextLengthError, StrataError
 from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache
@@ -78,7 +78,8 @@ class EngineConfig:
 class Completion:
     """One finished generation. ``tokens`` are the generated ids (an
     end-of-generation token is not included); ``finish_reason`` is ``"stop"``
-    (EOS or a stop string) or ``"length"`` (max_tokens or the context ran out)."""
+    (EOS or a stop string), ``"length"`` (max_tokens or the context ran out)
+    or ``"cancelled"`` (the stream was closed before it ended)."""
 
     text: str
     tokens: list[int]
@@ -288,10 +289,7 @@ class Engine:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         ids = self._check_tokens(ids)
         if len(ids) >= self.context_length:
-            raise StrataError(
-                f"the prompt has {len(ids)} tokens but the context holds {self.context_length}; "
-                f"shorten the prompt or load with a larger context_length"
-            )
+            raise ContextLengthError(len(ids), self.context_length)
         return _Run(self, ids, params, boundaries, root)
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
@@ -355,6 +353,7 @@ class _Run:
             t_first = time.perf_counter()
 
         e._cache_tokens = list(self.prompt[:cached])
+        ended = False  # False when the consumer closed us early (or an error ended us)
         try:
             with torch.inference_mode():
                 e._prefill_with_checkpoints(self.prompt, self.boundaries, self.root)
@@ -374,20 +373,21 @@ class _Run:
             tail = text.finish()
             if tail:
                 yield tail
+            ended = True
         finally:
             # The cache holds the prompt and every generated token but the last.
             e._cache_tokens = (self.prompt + generated)[: e._cache.length]
-        t_end = time.perf_counter()
-        self.completion = Completion(
-            text=text.emitted,
-            tokens=generated,
-            finish_reason=finish,
-            prompt_tokens=len(self.prompt),
-            cached_tokens=cached,
-            prefill_seconds=t_first - t0,
-            decode_seconds=t_end - t_first,
-        )
-        e.last_completion = self.completion
+            t_end = time.perf_counter()
+            self.completion = Completion(
+                text=text.emitted,
+                tokens=generated,
+                finish_reason=finish if ended else "cancelled",
+                prompt_tokens=len(self.prompt),
+                cached_tokens=cached,
+                prefill_seconds=t_first - t0,
+                decode_seconds=t_end - t_first,
+            )
+            e.last_completion = self.completion
 
 
 def _token_text(tokenizer: Tokenizer, token: int | None) -> str:

@@ -92,21 +92,7 @@ class GGUFFile:
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
-        path = Path(path).expanduser()
-        if not path.exists():
-            raise ModelFileError(
-                f"model file {path} does not exist; pass the path of a .gguf file "
-                f"(or omit it to use the default model)"
-            )
-        if path.is_dir():
-            raise ModelFileError(f"{path} is a directory; pass the path of a .gguf file inside it")
-        with path.open("rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelFileError(
-                f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
-                f"convert the model with llama.cpp's convert_hf_to_gguf.py or pass a .gguf file"
-            )
+        path = check_gguf_path(path)
         try:
             reader = _PlainArrayReader(path, "c")
         except (ValueError, IndexError, KeyError, OverflowError) as e:
@@ -167,6 +153,27 @@ class GGUFFile:
                 f"{self.path} has no tensor {name}; the file is incomplete or not a "
                 f"{self.architecture} model as Strata expects it"
             ) from None
+
+
+def check_gguf_path(path: str | Path) -> Path:
+    """The cheap checks, before any parsing: the file exists and starts with
+    the GGUF magic. Returns the expanded path."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelFileError(
+            f"model file {path} does not exist; pass the path of a .gguf file "
+            f"(or omit it to use the default model)"
+        )
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory; pass the path of a .gguf file inside it")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+            f"convert the model with llama.cpp's convert_hf_to_gguf.py or pass a .gguf file"
+        )
+    return path
 
 
 def _logical_shape(t) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
-"""The ``strata`` command: ``generate``, ``chat``, ``info``.
+"""The ``strata`` command: ``generate``, ``chat``, ``serve``, ``info``.
 
 The environment is read here and nowhere else: ``STRATA_MODEL`` (a default
-for ``--model``) and ``STRATA_CACHE_DIR`` (where the default model is
-assembled).
+for ``--model``), ``STRATA_CACHE_DIR`` (where the default model is
+assembled) and ``STRATA_API_KEY`` (a default for ``serve --api-key``).
 """
 
 from __future__ import annotations
@@ -68,19 +68,37 @@ def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=_positive_int, default=8080)
+    g.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (env STRATA_API_KEY)")
+    g.add_argument("--max-queue", type=_whole, default=16,
+                   help="requests that may wait behind the one being served; more get 503 (default 16)")
+    g.add_argument("--max-body-mib", type=_positive_int, default=8, help="request body limit (default 8 MiB)")
+    g.add_argument("--max-restarts", type=_positive_int, default=5,
+                   help="engine crashes within --restart-window that make the server exit non-zero (default 5)")
+    g.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS", help="default 600")
+    g.add_argument("--restart-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="delay before the first restart, doubling per crash in the window, capped at 30 s")
+    g.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="an engine silent this long is killed and restarted (default 30)")
+
+
+# The argparse destinations that are SamplingParams fields and load() options.
+SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "stop")
+ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "conversation_cache_mib",
+                  "conversation_cache_slots", "min_free_mib", "checkpoint_every")
+
+
+def _pick(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names}
+
+
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "seed": args.seed,
-        "stop": tuple(args.stop),
-    }
+    return _pick(args, SAMPLING_OPTIONS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(chat)
     _add_sampling_options(chat, max_tokens=512)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with a supervised engine process")
+    _add_model_options(serve)
+    _add_server_options(serve)
+
     info = sub.add_parser("info", help="describe a GGUF model file")
     info.add_argument("model", nargs="?", default=os.environ.get("STRATA_MODEL"),
                       help="path of a .gguf file (default: the embedded model)")
@@ -107,22 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return _pick(args, ENGINE_OPTIONS)
+
+
 def _load(args: argparse.Namespace):
     from strata_runtime import load
 
-    return load(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv=args.kv,
-        context_length=args.context_length,
-        threads=args.threads,
-        conversation_cache_mib=args.conversation_cache_mib,
-        conversation_cache_slots=args.conversation_cache_slots,
-        min_free_mib=args.min_free_mib,
-        checkpoint_every=args.checkpoint_every,
-        cache_dir=os.environ.get("STRATA_CACHE_DIR"),
-    )
+    return load(args.model, cache_dir=os.environ.get("STRATA_CACHE_DIR"), **_engine_options(args))
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -186,6 +200,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from strata_runtime import EngineConfig
+    from strata_runtime.default_model import default_model_path
+    from strata_runtime.gguf_file import check_gguf_path
+
+    from .app import run
+    from .config import ServerConfig
+
+    options = _engine_options(args)
+    EngineConfig(**options)  # bad options fail here, not in a crash-looping engine
+    model = check_gguf_path(args.model) if args.model else default_model_path(os.environ.get("STRATA_CACHE_DIR"))
+    config = ServerConfig(
+        model=str(model), engine_options=options, host=args.host, port=args.port, api_key=args.api_key,
+        max_queue=args.max_queue, max_body_bytes=args.max_body_mib * MiB, max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
+        hang_timeout_s=args.hang_timeout, log_level="info" if args.verbose else "warning",
+    )
+    logging.getLogger("strata_server").setLevel(logging.INFO)  # restarts and engine lines always show
+    return run(config)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.default_model import default_model_path
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
@@ -218,7 +253,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

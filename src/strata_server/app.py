@@ -1,0 +1,341 @@
+"""The HTTP side: Starlette routes over a supervised engine, served by uvicorn.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both
+with ``stream: true`` as server-sent events ending in ``data: [DONE]``),
+``GET /v1/models``, ``GET /props``, ``GET /health`` (open without the API
+key) and ``GET /metrics`` (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import openai_api
+from .config import ServerConfig
+from .errors import ApiError
+from .metrics import Metrics
+from .supervisor import Job, Supervisor
+
+log = logging.getLogger("strata_server.app")
+
+
+def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) -> Starlette:
+    api = _Api(config, supervisor, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        supervisor.start()
+        yield
+        await supervisor.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/props", api.props, methods=["GET"]),
+            Route("/health", api.health, methods=["GET"]),
+            Route("/metrics", api.metrics_text, methods=["GET"]),
+        ],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.add_middleware(_RequireApiKey, key=config.api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts 401s too
+    return app
+
+
+class _Api:
+    """The route handlers. Each generation is a ``Job`` of the supervisor."""
+
+    def __init__(self, config: ServerConfig, supervisor: Supervisor, metrics: Metrics):
+        self.config = config
+        self.supervisor = supervisor
+        self.metrics = metrics
+
+    # --- generation ---------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, openai_api.parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, openai_api.parse_completion)
+
+    async def _generate(self, request: Request, parse: Callable) -> Response:
+        body = await _read_json(request, self.config.max_body_bytes)
+        props = self.supervisor.props or {}
+        command = parse(body, self._model_ids(), props.get("context_length"))
+        job = self.supervisor.submit(command)
+        reply = openai_api.Reply(command["kind"], self.config.served_model_id)
+        gone = asyncio.create_task(_client_gone(request))
+        events = self._events(job, gone)
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await events.aclose()
+            raise
+        if first is None:  # the client left before anything was generated
+            await events.aclose()
+            return Response(status_code=499)
+        if first[0] == "error":
+            await events.aclose()
+            raise first[1]
+        if command["stream"]:
+            return _EventStream(self._sse(reply, first, events, command["include_usage"]))
+        text: list[str] = []
+        try:
+            event = first
+            while event is not None:
+                kind, value = event
+                if kind == "error":
+                    raise value
+                if kind == "done":
+                    return JSONResponse(reply.whole("".join(text), value))
+                text.append(value)
+                event = await events.__anext__()
+            return Response(status_code=499)
+        finally:
+            await events.aclose()
+
+    async def _events(self, job: Job, gone: asyncio.Task) -> AsyncIterator[tuple[str, Any] | None]:
+        """The job's events, with metrics; ``None`` once the client has left
+        (the job is then cancelled). Closing this cancels an unfinished job."""
+        first_piece: float | None = None
+        try:
+            while True:
+                get = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    yield None
+                    return
+                kind, value = get.result()
+                if kind == "piece" and first_piece is None:
+                    first_piece = time.perf_counter()
+                    self.metrics.ttft.observe(first_piece - job.arrived)
+                if kind == "done":
+                    self._record(value, first_piece)
+                yield kind, value
+                if kind != "piece":
+                    return
+        finally:
+            gone.cancel()
+            self.supervisor.cancel(job)  # no-op for a finished job
+
+    def _record(self, done: dict[str, Any], first_piece: float | None) -> None:
+        self.metrics.prompt_tokens.inc(done["prompt_tokens"])
+        self.metrics.cached_tokens.inc(done["cached_tokens"])
+        self.metrics.generated_tokens.inc(done["completion_tokens"])
+        if first_piece is not None and done["completion_tokens"] > 1:
+            self.metrics.per_token.observe((time.perf_counter() - first_piece) / (done["completion_tokens"] - 1))
+
+    async def _sse(self, reply: openai_api.Reply, first, events, include_usage: bool) -> AsyncIterator[bytes]:
+        yield _sse_data(reply.chunk(first=True))
+        event = first
+        while event is not None:
+            kind, value = event
+            if kind == "piece":
+                yield _sse_data(reply.chunk(text=value))
+            elif kind == "error":
+                # Headers are gone already: the error travels as an event.
+                yield _sse_data(value.body())
+                return
+            else:
+                final = reply.chunk(finish_reason=value["finish_reason"])
+                final["usage"] = openai_api.usage(value)
+                yield _sse_data(final)
+                if include_usage:
+                    yield _sse_data(reply.usage_chunk(value))
+                yield b"data: [DONE]\n\n"
+                return
+            event = await events.__anext__()
+
+    # --- the rest ---------------------------------------------------------------------
+
+    def _model_ids(self) -> set[str]:
+        ids = {self.config.served_model_id}
+        if self.supervisor.props and self.supervisor.props.get("model"):
+            ids.add(self.supervisor.props["model"])
+        return ids
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": self.config.served_model_id, "object": "model", "created": 0, "owned_by": "strata"}]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def props(self, request: Request) -> Response:
+        s = self.supervisor
+        if not s.answering or s.props is None:
+            status, body = s.health()
+            return JSONResponse(body, status_code=status)
+        return JSONResponse({
+            **s.props,
+            "engine_pid": s.engine_pid,
+            "engine_uptime_s": round(time.time() - s.ready_at, 3),
+            "restarts": s.restarts,
+            "conversation_cache": s.stats,
+            "server": {"max_queue": self.config.max_queue, "max_body_bytes": self.config.max_body_bytes,
+                       "api_key_required": self.config.api_key is not None},
+        })
+
+    async def health(self, request: Request) -> Response:
+        status, body = self.supervisor.health()
+        return JSONResponse(body, status_code=status)
+
+    async def metrics_text(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- request bodies and responses -----------------------------------------------------
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start}); "
+                            f"send JSON encoded as UTF-8") from None
+    if not text.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
+            from None
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse_data(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _EventStream:
+    """A server-sent-events response that closes its source however it ends,
+    so a client that goes away cancels its generation at once."""
+
+    def __init__(self, source: AsyncIterator[bytes]):
+        self.source = source
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for data in self.source:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client is gone; closing the source cancels the job
+        finally:
+            await self.source.aclose()
+
+
+def _json_error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return _json_error(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}; the API is under /v1 (see GET /v1/models)"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return _json_error(ApiError(exc.status_code, message, code=None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path)
+    return _json_error(ApiError(500, f"internal error ({type(exc).__name__}); see the server log", "server_error"))
+
+
+# --- middleware (pure ASGI, so streaming passes straight through) -------------------
+
+
+class _RequireApiKey:
+    def __init__(self, app, key: str | None):
+        self.app = app
+        self.expected = None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        message = ("this server needs an API key: send 'Authorization: Bearer KEY'" if not given
+                   else "the API key is wrong; send the key the server was started with")
+        await _json_error(ApiError(401, message, "invalid_request_error", "invalid_api_key"))(scope, receive, send)
+
+
+class _CountRequests:
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = self.metrics.route(scope["path"])
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# --- running it -------------------------------------------------------------------------
+
+
+def run(config: ServerConfig) -> int:
+    """Serve until stopped; 0 on a clean stop, 3 when the engine kept crashing."""
+    import uvicorn
+
+    metrics = Metrics(cache_stats=lambda: supervisor.stats)
+    server: uvicorn.Server | None = None
+
+    def give_up() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    supervisor = Supervisor(config, metrics, on_failed=give_up)
+    app = build_app(config, supervisor, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    server.run()
+    return 3 if supervisor.state == "failed" else 0

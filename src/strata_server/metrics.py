@@ -1,0 +1,74 @@
+"""Prometheus metrics of one server, in a registry of its own (no globals)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Routes are labelled by path; anything else is "other", so label values stay few.
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/props", "/health", "/metrics")
+
+# Conversation cache counters from Engine.stats(), exported as <name>_total.
+CACHE_COUNTERS = ("parked", "restored", "live_reused", "checkpoints_saved", "evictions")
+CACHE_GAUGES = ("parked_now", "checkpoints_now", "pool_bytes_used", "pool_bytes_total")
+
+
+class Metrics:
+    """The server's counters, gauges and histograms, plus the engine's latest
+    conversation-cache counters (read through ``cache_stats`` at scrape time)."""
+
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]] = dict):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("strata_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of served requests", registry=r)
+        self.cached_tokens = Counter("strata_cached_prompt_tokens",
+                                     "prompt tokens that were not prefilled (live or restored state)", registry=r)
+        self.generated_tokens = Counter("strata_generated_tokens", "tokens generated", registry=r)
+        self.cancelled = Counter("strata_requests_cancelled", "generations stopped because the client went away",
+                                 registry=r)
+        self.ttft = Histogram("strata_time_to_first_token_seconds", "arrival to first generated text",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.per_token = Histogram("strata_time_per_output_token_seconds", "decode time per token after the first",
+                                   buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)
+        self.restarts = Counter("strata_engine_restarts", "engine processes started after a crash", registry=r)
+        self.engine_up = Gauge("strata_engine_up", "1 while an engine is loaded and answering", registry=r)
+        self.queue_depth = Gauge("strata_queue_depth", "requests waiting behind the one being served", registry=r)
+        r.register(_ConversationCacheCollector(cache_stats))
+
+    def route(self, path: str) -> str:
+        return path if path in ROUTES else "other"
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ConversationCacheCollector:
+    """Exports the engine's conversation cache counters, when it has a cache."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self._stats()
+        if not stats:
+            return
+        for name in CACHE_COUNTERS:
+            yield CounterMetricFamily(f"strata_conversation_cache_{name}", f"conversation cache: {name}",
+                                      value=stats.get(name, 0))
+        skipped = CounterMetricFamily("strata_conversation_cache_skipped",
+                                      "parks, restores and checkpoints skipped, by kind and reason",
+                                      labels=["kind", "reason"])
+        for key, count in sorted(stats.get("skipped_by_reason", {}).items()):
+            kind, _, reason = key.partition(":")
+            skipped.add_metric([kind, reason], count)
+        yield skipped
+        for name in CACHE_GAUGES:
+            yield GaugeMetricFamily(f"strata_conversation_cache_{name}", f"conversation cache: {name}",
+                                    value=stats.get(name, 0))

@@ -1,0 +1,218 @@
+"""The OpenAI request and response shapes: parsing at the edge, building replies.
+
+Requests are checked here, before they reach the engine, with messages that
+name the fix. Fields this server does not implement are refused with a 400
+that says so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from .errors import ApiError
+
+# Sampling fields and their engine names; checked by type here and by range
+# in strata_runtime.SamplingParams (one place for the rules).
+_FLOATS = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "repetition_penalty": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
+_INTS = {"top_k": "top_k", "seed": "seed"}
+_COMMON = {"model", "max_tokens", "stream", "stream_options", "stop", "n", "user", *_FLOATS, *_INTS}
+# Harmless when present: they change nothing about what is generated.
+_IGNORED = {"user", "metadata", "store"}
+# Known OpenAI fields this server does not implement; "off" values are accepted.
+_UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+ROLES = {"system", "developer", "user", "assistant"}
+
+
+def parse_chat(body: Any, models: set[str], context_length: int | None) -> dict[str, Any]:
+    """A ``/v1/chat/completions`` body -> an engine command (``kind="chat"``)."""
+    body = _object(body)
+    _check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if "messages" not in body:
+        raise ApiError(400, "the request has no 'messages'; send a list of {role, content} objects")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
+    if "max_completion_tokens" in body and "max_tokens" not in body:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    return {"kind": "chat", "messages": [_message(m, i) for i, m in enumerate(messages)],
+            **_common(body, models, context_length)}
+
+
+def parse_completion(body: Any, models: set[str], context_length: int | None) -> dict[str, Any]:
+    """A ``/v1/completions`` body -> an engine command (``kind="completion"``)."""
+    body = _object(body)
+    _check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise ApiError(400, "the request has no 'prompt'; send a string (or a list of token ids)")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        pass
+    elif isinstance(prompt, list):
+        raise ApiError(400, "'prompt' must be one string or one list of token ids; "
+                            "batches of prompts are not supported, send one request per prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string")
+    return {"kind": "completion", "prompt": prompt, **_common(body, models, context_length)}
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    for name, off in _UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise ApiError(400, f"'{name}' is not supported by this server; remove it from the request",
+                           code="unsupported_parameter")
+    unknown = sorted(set(body) - allowed - set(_UNSUPPORTED) - _IGNORED)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; "
+                            f"this endpoint accepts {', '.join(sorted(allowed))}", code="unknown_parameter")
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    if not isinstance(m, dict):
+        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role == "tool" or "tool_calls" in m:
+        raise ApiError(400, f"messages[{i}]: tool messages and tool calls are not supported by this server",
+                       code="unsupported_parameter")
+    if role not in ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {role!r}")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported "
+                                    f"({{'type': 'text', 'text': ...}}); images and audio are not")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string, got {type(content).__name__}")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _common(body: dict[str, Any], models: set[str], context_length: int | None) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and model not in models:
+        raise ApiError(404, f"model {model!r} is not served here; use one of: {', '.join(sorted(models))} "
+                            f"(GET /v1/models lists them)", code="model_not_found")
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise ApiError(400, f"'n' must be 1 (this server returns one choice per request), got {n!r}",
+                       code="unsupported_parameter")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {stream!r}")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}")
+    sampling: dict[str, Any] = {}
+    max_tokens = body.get("max_tokens", 256)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ApiError(400, f"'max_tokens' must be a whole number of at least 1, got {max_tokens!r}")
+    if context_length is not None and max_tokens > context_length:
+        raise ApiError(400, f"'max_tokens' is {max_tokens} but the context holds {context_length} tokens; "
+                            f"ask for at most {context_length}")
+    sampling["max_tokens"] = max_tokens
+    for name, engine_name in _FLOATS.items():
+        if name in body and body[name] is not None:
+            value = body[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ApiError(400, f"'{name}' must be a number, got {value!r}")
+            sampling[engine_name] = float(value)
+    for name, engine_name in _INTS.items():
+        if name in body and body[name] is not None:
+            if not _is_int(body[name]):
+                raise ApiError(400, f"'{name}' must be a whole number, got {body[name]!r}")
+            sampling[engine_name] = body[name]
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings")
+        sampling["stop"] = stops
+    _check_sampling(sampling)
+    return {"sampling": sampling, "stream": stream,
+            "include_usage": bool(options and options.get("include_usage"))}
+
+
+def _check_sampling(sampling: dict[str, Any]) -> None:
+    from strata_runtime.sampling import SamplingParams
+
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- replies ---------------------------------------------------------------------
+
+
+class Reply:
+    """The ids and shapes of one response, streamed or whole."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind = kind
+        self.model = model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": done["finish_reason"], "logprobs": None}
+            out = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None}
+            out = self._envelope("text_completion", [choice])
+        out["usage"] = usage(done)
+        return out
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text is not None:
+                delta["content"] = text
+            return self._envelope("chat.completion.chunk",
+                                  [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
+        return self._envelope("text_completion",
+                              [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+
+    def usage_chunk(self, done: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage(done)}
+
+
+def usage(done: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done["prompt_tokens"],
+        "completion_tokens": done["completion_tokens"],
+        "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]},
+    }

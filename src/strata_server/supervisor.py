@@ -1,0 +1,312 @@
+"""The engine process and its keeper.
+
+The engine runs in a child process (``worker.py``). The supervisor starts
+it, feeds it one request at a time in arrival order, pings it, and when it
+exits or stops answering: logs one line with the exit code and the child's
+last error, fails the requests it held with a 503 at once, and starts a new
+child straight away (after a backoff of 1 s, 2 s, 4 s, ... capped), not on
+the next request. Too many crashes within the window and it gives up, so the
+server exits non-zero and a service manager sees the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .config import ServerConfig
+from .errors import ApiError, unavailable
+from .metrics import Metrics
+from .protocol import decode, encode
+
+log = logging.getLogger("strata_server.supervisor")
+engine_log = logging.getLogger("strata_server.engine")
+
+_LEVELS = {name: getattr(logging, name) for name in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
+
+
+@dataclass
+class Job:
+    """One request from arrival to its last event.
+
+    Invariant: a job is in the waiting queue, or is the one in flight, or is
+    finished; ``events`` gets ``("piece", text)`` items and then exactly one
+    ``("done", message)`` or ``("error", ApiError)``."""
+
+    id: int
+    command: dict[str, Any]
+    arrived: float = field(default_factory=time.perf_counter)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    cancelled: bool = False
+
+
+class Supervisor:
+    """Keeps one engine process alive and serves jobs through it.
+
+    Invariant: at most one job is in flight (sent to the child); ``state`` is
+    ``starting`` until the first child is ready, ``ready`` while one is,
+    ``restarting`` between a crash and the next ready, ``failed`` after too
+    many crashes, ``stopped`` after shutdown."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics, on_failed: Callable[[], None] = lambda: None):
+        self.config = config
+        self.metrics = metrics
+        self.on_failed = on_failed
+        self.state = "starting"
+        self.restarts = 0
+        self.last_exit: dict[str, Any] | None = None
+        self.props: dict[str, Any] | None = None
+        self.stats: dict[str, Any] = {}
+        self.engine_pid: int | None = None
+        self.ready_at: float | None = None
+        self._waiting: deque[Job] = deque()
+        self._in_flight: Job | None = None
+        self._next_id = 0
+        self._crashes: deque[float] = deque()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._last_heard = time.monotonic()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self._last_error: str | None = None
+        self._hung = False
+
+    # --- what the HTTP side asks ------------------------------------------
+
+    @property
+    def answering(self) -> bool:
+        return self.state == "ready" and time.monotonic() - self._last_heard < self.config.hang_timeout_s
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.answering:
+            return 200, {"status": "ok"}
+        status = "restarting" if self.state == "ready" else self.state
+        return 503, {"status": status, "restarts": self.restarts, "last_exit": self.last_exit}
+
+    def submit(self, command: dict[str, Any]) -> Job:
+        """Queue a request; a 503 when no engine is answering or the queue is full."""
+        if not self.answering:
+            raise unavailable(f"the engine is {self.health()[1]['status']}; retry shortly", "engine_unavailable")
+        if self._in_flight is not None and len(self._waiting) >= self.config.max_queue:
+            raise unavailable(f"the server is busy ({len(self._waiting)} requests waiting); retry shortly",
+                              "queue_full")
+        self._next_id += 1
+        job = Job(self._next_id, {**command, "op": "generate", "id": self._next_id})
+        self._waiting.append(job)
+        self.metrics.queue_depth.set(len(self._waiting))
+        self._wake.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it waits, stop it if it runs."""
+        if job.finished or job.cancelled:
+            return
+        job.cancelled = True
+        self.metrics.cancelled.inc()
+        if job in self._waiting:
+            self._waiting.remove(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            job.finished = True
+        elif job is self._in_flight:
+            self._send({"op": "cancel", "id": job.id})
+
+    # --- life cycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name="supervisor")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            self._send({"op": "shutdown"})
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=5)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.state != "failed":
+            self.state = "stopped"
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            code = await self._run_child()
+            self.last_exit = self._describe_exit(code)
+            self._fail_jobs(unavailable(
+                f"the engine process exited {self.last_exit['reason']} while this request was pending; "
+                f"it is being restarted, retry shortly", "engine_restarted"))
+            if self._stopping:
+                return
+            now = time.monotonic()
+            self._crashes.append(now)
+            while self._crashes and now - self._crashes[0] > self.config.restart_window_s:
+                self._crashes.popleft()
+            if len(self._crashes) >= self.config.max_restarts:
+                self.state = "failed"
+                log.error("engine exited %s; last error: %s; that is %d crashes in %.0f s: giving up, "
+                          "the server exits so its service manager sees the failure",
+                          self.last_exit["reason"], self.last_exit["error"],
+                          len(self._crashes), self.config.restart_window_s)
+                self.on_failed()
+                return
+            delay = min(self.config.restart_backoff_s * 2 ** (len(self._crashes) - 1), self.config.restart_backoff_max_s)
+            self.state = "restarting"
+            self.restarts += 1
+            self.metrics.restarts.inc()
+            log.error("engine exited %s; last error: %s; restarting in %.1f s (crash %d of %d allowed in %.0f s)",
+                      self.last_exit["reason"], self.last_exit["error"], delay,
+                      len(self._crashes), self.config.max_restarts, self.config.restart_window_s)
+            await asyncio.sleep(delay)
+
+    async def _run_child(self) -> int:
+        """Start one engine process, serve through it until it exits; its exit code."""
+        spec = json.dumps({"model": self.config.model, "options": self.config.engine_options})
+        self._last_error, self._hung = None, False
+        self._proc = proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "strata_server.worker", spec,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            limit=64 << 20,
+        )
+        self._last_heard = time.monotonic()
+        log.info("engine process %d started", proc.pid)
+        readers = [asyncio.create_task(self._read_events(proc.stdout)),
+                   asyncio.create_task(self._read_log(proc.stderr, proc.pid))]
+        helpers = [asyncio.create_task(self._ping(proc)), asyncio.create_task(self._dispatch())]
+        code = await proc.wait()
+        self.state = "restarting" if self.state == "ready" else self.state
+        self.engine_pid = None
+        self.metrics.engine_up.set(0)
+        await asyncio.wait(readers, timeout=2)  # what it wrote before dying still counts
+        for task in readers + helpers:
+            task.cancel()
+        return code
+
+    # --- talking to the child ----------------------------------------------------
+
+    def _send(self, message: dict[str, Any]) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(encode(message))
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            pass  # it is exiting; the exit path fails its jobs
+
+    async def _dispatch(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.state == "ready" and self._in_flight is None and self._waiting:
+                job = self._in_flight = self._waiting.popleft()
+                self.metrics.queue_depth.set(len(self._waiting))
+                self._send(job.command)
+                if job.cancelled:
+                    self._send({"op": "cancel", "id": job.id})
+
+    async def _ping(self, proc: asyncio.subprocess.Process) -> None:
+        seq = 0
+        while proc.returncode is None:
+            await asyncio.sleep(self.config.ping_interval_s)
+            silent = time.monotonic() - self._last_heard
+            if silent > self.config.hang_timeout_s:
+                log.error("engine process %d has not answered for %.1f s; killing it", proc.pid, silent)
+                self._hung = True
+                proc.kill()
+                return
+            seq += 1
+            self._send({"op": "ping", "seq": seq})
+
+    async def _read_events(self, stream: asyncio.StreamReader) -> None:
+        async for line in stream:
+            self._last_heard = time.monotonic()
+            try:
+                event = decode(line)
+            except ValueError:
+                log.error("engine sent a malformed line: %r", line[:200])
+                continue
+            self._on_event(event)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("ev")
+        if kind == "ready":
+            self.props, self.engine_pid, self.stats = event["props"], event["pid"], event["stats"]
+            self.ready_at = time.time()
+            self.state = "ready"
+            self.metrics.engine_up.set(1)
+            log.info("engine process %d ready (%s, restarts so far %d)", self.engine_pid, self.props.get("model"),
+                     self.restarts)
+            self._wake.set()
+        elif kind == "fatal":
+            self._last_error = event.get("message")
+        elif kind in ("piece", "done", "error"):
+            job = self._in_flight
+            if job is None or job.id != event.get("id"):
+                return
+            if kind == "piece":
+                job.events.put_nowait(("piece", event["text"]))
+                return
+            if kind == "done":
+                self.stats = event.get("stats") or self.stats
+                job.events.put_nowait(("done", event))
+            else:
+                job.events.put_nowait(("error", ApiError(event["status"], event["message"], event["type"],
+                                                         event.get("code"))))
+            job.finished = True
+            self._in_flight = None
+            self._wake.set()
+
+    async def _read_log(self, stream: asyncio.StreamReader, pid: int) -> None:
+        """Re-log the child's stderr as ours, remembering its last error."""
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            if not line:
+                continue
+            level = _LEVELS.get(line.split(" ", 1)[0], logging.INFO)
+            if level >= logging.ERROR or _looks_like_exception(line):
+                self._last_error = line
+            engine_log.log(level, "engine[%d] %s", pid, line)
+
+    def _fail_jobs(self, error: ApiError) -> None:
+        jobs = ([self._in_flight] if self._in_flight else []) + list(self._waiting)
+        self._in_flight = None
+        self._waiting.clear()
+        self.metrics.queue_depth.set(0)
+        for job in jobs:
+            job.finished = True
+            job.events.put_nowait(("error", error))
+
+    def _describe_exit(self, code: int) -> dict[str, Any]:
+        if self._hung:
+            reason = f"after it stopped answering for {self.config.hang_timeout_s:g} s (exit code {code})"
+        elif code < 0:
+            reason = f"on signal {_signal_name(-code)} (exit code {code})"
+        else:
+            reason = f"with exit code {code}"
+        return {"code": code, "signal": _signal_name(-code) if code < 0 else None, "reason": reason,
+                "error": self._last_error or "none reported", "at": time.time()}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _looks_like_exception(line: str) -> bool:
+    head = line.split(":", 1)[0]
+    return head.endswith(("Error", "Exception")) and " " not in head

@@ -1,0 +1,212 @@
+"""A real ``strata serve`` (uvicorn on 127.0.0.1) driven by the official
+``openai`` client and by raw HTTP for what the client will not send."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+
+KEY = "sk-test-strata"
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def server(model_file):
+    s = LiveServer("--model", str(model_file), "--context-length", str(CONTEXT), "--max-queue", "2",
+                   "--max-body-mib", "1", "--conversation-cache-mib", "64", "--min-free-mib", "0",
+                   api_key=KEY)
+    try:
+        s.wait_for_health(200)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+MESSAGES = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name three rivers in Europe."}]
+
+
+def test_models_lists_the_file(client, model_file):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [model_file.name.removesuffix(".gguf")]
+
+
+def test_chat_streamed_and_whole_agree(client, model_id):
+    whole = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens >= 1
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # The repeat prefilled only what the live sequence did not hold.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_with_a_seed_give_the_same_text_twice(client, model_id):
+    def sample(**extra):
+        return client.completions.create(model=model_id, prompt="Once upon a time,", max_tokens=10,
+                                         temperature=0.9, seed=1234, **extra)
+
+    first, second = sample().choices[0].text, sample().choices[0].text
+    assert first == second and first
+    streamed = "".join(c.choices[0].text for c in sample(stream=True) if c.choices)
+    assert streamed == first
+    other = client.completions.create(model=model_id, prompt="Once upon a time,", max_tokens=10,
+                                      temperature=0.9, seed=99).choices[0].text
+    assert other != first  # the seed matters (10 tokens at T=0.9 would collide only by a fluke)
+
+
+def test_stream_is_server_sent_events_ending_in_done(server):
+    r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
+                                        "temperature": 0, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in r.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert '"usage"' in events[-2] and '"finish_reason": "length"' in events[-2]
+
+
+def test_api_key_is_required_everywhere_but_health(server):
+    bare = httpx.Client(base_url=server.base, timeout=30)
+    for path in ("/v1/models", "/metrics", "/props"):
+        r = bare.get(path)
+        assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
+        r = bare.get(path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = bare.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401
+    assert bare.get("/health").json() == {"status": "ok"}
+
+
+def test_props_name_the_engine_process(server):
+    props = server.http.get("/props").json()
+    assert props["context_length"] == CONTEXT and props["engine_pid"] > 0
+    assert props["engine_uptime_s"] >= 0 and props["restarts"] == 0
+
+
+LONG = "word " * 700
+
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, "not valid JSON"),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8"),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "no 'messages'"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "non-empty list"),
+    ("messages of the wrong type", "/v1/chat/completions", {"messages": "hi"}, 400, "non-empty list"),
+    ("content of the wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "content must be a string"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "role must be one of"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "no 'prompt'"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "at least 1"),
+    ("absurd max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400,
+     f"the context holds {CONTEXT} tokens"),
+    ("max_tokens as text", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "whole number"),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400,
+     "temperature must be at least 0"),
+    ("top_p of 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ("top_p above 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ("n of 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "'n' must be 1"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "'tools' is not supported"),
+    ("an unknown field", "/v1/completions", {"prompt": "x", "temprature": 0.1}, 400, "unknown field(s) 'temprature'"),
+    ("an unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "is not served here"),
+    ("a prompt longer than the context", "/v1/completions", {"prompt": LONG, "max_tokens": 2}, 400,
+     f"but the context holds {CONTEXT}"),
+    ("a body over the limit", "/v1/completions", {"prompt": "x" * (2 << 20)}, 413, "limit"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error_and_the_engine_keeps_serving(server, path, body, status, message):
+    r = server.post(path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "code"}
+    assert message in error["message"], error["message"]
+    assert server.health() == (200, {"status": "ok"})
+
+
+def test_a_prompt_over_the_context_names_both_lengths_and_is_never_truncated(server):
+    r = server.post("/v1/completions", {"prompt": LONG, "max_tokens": 2})
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    match = re.search(r"the prompt has (\d+) tokens but the context holds (\d+)", error["message"])
+    assert match and int(match[1]) > 700 and int(match[2]) == CONTEXT, error["message"]
+    ok = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    """One request runs and --max-queue 2 may wait: of four at once, one is refused."""
+    results: list[httpx.Response] = []
+
+    def ask(i):
+        results.append(server.post("/v1/completions", {"prompt": f"Story {i}:", "max_tokens": 30,
+                                                       "temperature": 0}))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    statuses = sorted(r.status_code for r in results)
+    assert statuses == [200, 200, 200, 503], [r.text for r in results]
+    refused = next(r for r in results if r.status_code == 503)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "queue_full"
+
+
+def test_a_client_that_disconnects_cancels_its_generation(server):
+    before = server.metrics()
+    with server.http.stream("POST", "/v1/completions", json={"prompt": "A long story:", "max_tokens": 400,
+                                                             "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+    deadline = time.monotonic() + 60
+    while server.metrics()["strata_requests_cancelled_total"] < before["strata_requests_cancelled_total"] + 1:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.2)
+    # The engine stopped early: far fewer than 400 tokens were generated.
+    after = server.metrics()
+    assert after["strata_generated_tokens_total"] - before["strata_generated_tokens_total"] < 100
+    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_metrics_count_requests_tokens_and_the_conversation_cache(server, client, model_id):
+    client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=3, temperature=0)
+    client.completions.create(model=model_id, prompt="Rivers of Europe include", max_tokens=3, temperature=0)
+    m = server.metrics()
+    assert m['strata_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
+    assert m['strata_requests_total{route="/v1/completions",status="400"}'] >= 1
+    assert m['strata_requests_total{route="/metrics",status="401"}'] >= 1
+    assert m["strata_generated_tokens_total"] >= 6 and m["strata_prompt_tokens_total"] > 0
+    assert m["strata_time_to_first_token_seconds_count"] >= 2
+    assert m["strata_time_per_output_token_seconds_count"] >= 1
+    assert m["strata_engine_up"] == 1 and m["strata_engine_restarts_total"] == 0
+    assert m["strata_queue_depth"] == 0
+    assert m["strata_conversation_cache_parked_total"] >= 1
+    assert m["strata_conversation_cache_pool_bytes_total"] == 64 << 20

@@ -1,4 +1,9 @@
-"""strata_server: the ``strata`` command (and, later, the HTTP server).
+"""strata_server: the ``strata`` command and the OpenAI-compatible server.
+
+``cli.py`` parses arguments (and is the only reader of the environment),
+``app.py`` holds the HTTP routes, ``supervisor.py`` keeps the engine process
+alive, ``worker.py`` is that process, ``openai_api.py`` checks requests and
+shapes replies, ``metrics.py`` exports Prometheus metrics.
 
 Importing this package does no work.
 """

@@ -107,7 +107,9 @@ def test_checkpoint_fault_is_skipped(engine, cc):
     _run(engine, cache, a)
     with inject_fault("checkpoint_copy", exc=RuntimeError("CUDA error: an illegal memory access")):
         outcome = cc.save_checkpoint(cache, a)
-    assert outcome == Skipped("checkpoint save skipped (copy failed: CUDA error: an illegal memory access)")
+    assert outcome == Skipped("checkpoint save skipped (copy failed: CUDA error: an illegal memory access)",
+                              "copy_failed")
+    assert cc.stats()["skipped_by_reason"] == {"checkpoint:copy_failed": 1}
     assert cc.pool.used_bytes == 0
 
 

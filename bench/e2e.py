@@ -2,7 +2,11 @@
 tokens/s, peak RSS; with llama.cpp side by side when ``llama_cpp`` is
 importable (same file, same thread count, runs alternating).
 
-    python bench/e2e.py [--model PATH] [--threads N] [--prompt-tokens 2000] [--decode-tokens 128] [--repeats 2]
+    python bench/e2e.py [--model PATH] [--threads N] [--dtypes float32,bfloat16]
+                        [--prompt-tokens 2000] [--decode-tokens 128] [--repeats 2]
+
+Each Strata dtype is loaded in turn (its load time and the peak RSS after
+loading it are printed), then all engines run alternating.
 """
 
 from __future__ import annotations
@@ -67,15 +71,20 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="Strata compute paths to measure")
     args = ap.parse_args()
 
     import strata_runtime
 
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    engine = strata_runtime.load(args.model, context_length=args.prompt_tokens + args.decode_tokens + 8, progress=False)
-    load_s = time.perf_counter() - t0
-    rss = peak_rss_mib()
+    engines, loads = {}, []
+    for dtype in args.dtypes.split(","):
+        t0 = time.perf_counter()
+        engines[f"strata {dtype}"] = strata_runtime.load(
+            args.model, dtype=dtype, context_length=args.prompt_tokens + args.decode_tokens + 8,
+            conversation_cache_mib=0, progress=False)
+        loads.append(f"{dtype}: load {time.perf_counter() - t0:.1f} s, peak RSS after it {peak_rss_mib():.0f} MiB")
+    engine = next(iter(engines.values()))
     prompt = long_prompt_ids(engine, args.prompt_tokens)
 
     try:
@@ -87,16 +96,17 @@ def main() -> None:
         llm = Llama(model_path=engine.props()["path"], n_ctx=len(prompt) + args.decode_tokens + 8,
                     n_threads=args.threads, n_batch=512, verbose=False)
 
-    rows: dict[str, list[tuple[float, float]]] = {"strata": [], "llama.cpp": []}
-    for _ in range(args.repeats):  # alternate so drift hits both alike
-        rows["strata"].append(bench_strata(engine, prompt, args.decode_tokens))
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in engines} | {"llama.cpp": []}
+    for _ in range(args.repeats):  # alternate so drift hits all alike
+        for name, e in engines.items():
+            rows[name].append(bench_strata(e, prompt, args.decode_tokens))
         if llm is not None:
             rows["llama.cpp"].append(bench_llamacpp(llm, prompt, args.decode_tokens))
 
-    print(f"model {engine.props()['model']} ({engine.props()['dtype']}), threads {args.threads}, "
+    print(f"model {engine.props()['model']}, threads {args.threads}, "
           f"prompt {len(prompt)} tokens, decode {args.decode_tokens} tokens, median of {args.repeats}")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
-    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'engine':<17} {'prefill tok/s':>14} {'decode tok/s':>13}")
     medians = {}
     for name, runs in rows.items():
         if not runs:
@@ -104,13 +114,16 @@ def main() -> None:
         pre = statistics.median(r[0] for r in runs)
         dec = statistics.median(r[1] for r in runs)
         medians[name] = (pre, dec)
-        print(f"{name:<10} {pre:>14.1f} {dec:>13.2f}")
+        print(f"{name:<17} {pre:>14.1f} {dec:>13.2f}")
     if "llama.cpp" in medians:
-        (sp, sd), (lp, ld) = medians["strata"], medians["llama.cpp"]
-        print(f"{'ratio':<10} {sp / lp:>13.2f}x {sd / ld:>12.2f}x   (strata / llama.cpp)")
+        lp, ld = medians["llama.cpp"]
+        for name in engines:
+            sp, sd = medians[name]
+            print(f"{name + ' / llama.cpp':<30} prefill {sp / lp:.2f}x, decode {sd / ld:.2f}x")
     else:
         print("llama.cpp: not measured (pip install llama-cpp-python to compare side by side)")
-    print(f"strata load time {load_s:.1f} s, peak RSS after load {rss:.0f} MiB, at end {peak_rss_mib():.0f} MiB")
+    for line in loads:
+        print(line)
 
 
 if __name__ == "__main__":

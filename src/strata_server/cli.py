@@ -40,7 +40,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL"),
                    help="path of a .gguf file (default: the embedded Gemma 3 270M)")
-    g.add_argument("--dtype", default="float32", choices=["float32"], help="compute path (float32: exact)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="float32: exact; bfloat16: the fast CPU path (bf16 weights, int8 output head)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (on a GPU, matmuls read the GGUF blocks)")
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")

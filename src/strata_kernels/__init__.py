@@ -12,7 +12,7 @@ from .formats import BlockFormat, block_format
 from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write
 from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
-from .reference import embedding_rows
+from .reference import embedding_rows, slot_runs
 
 __all__ = [
     "KV_FORMATS",
@@ -27,4 +27,5 @@ __all__ = [
     "dequantize",
     "embedding_rows",
     "qmatmul",
+    "slot_runs",
 ]

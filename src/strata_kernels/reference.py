@@ -401,9 +401,10 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-def kv_dequantize(store, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 keys and values ``[n, Hkv, D]`` of ``store`` at ``slots``, as
-    stored (k8v4 values stay in the rotated basis)."""
+def kv_dequantize(store, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys and values ``[n, Hkv, D]`` of ``store`` at ``slots`` (an
+    index tensor, or a slice: then f16-format float32 storage is read in
+    place, without a copy), as stored (k8v4 values stay in the rotated basis)."""
     d = store.head_dim
     k, v = store.k[slots], store.v[slots]
     if store.fmt == "f16":
@@ -419,34 +420,42 @@ def kv_dequantize(store, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return k, v
 
 
-def slot_positions(end: int, capacity: int, slots: torch.Tensor) -> torch.Tensor:
-    """The position each ring slot holds once positions ``0..end-1`` have been
-    written (negative: never written)."""
-    return (end - 1) - torch.remainder(end - 1 - slots, capacity)
+def slot_runs(first: int, end: int, capacity: int, limit: int | None = None) -> list[tuple[int, int, int]]:
+    """``(first position, first slot, count)`` runs covering positions
+    ``first..end-1`` of a ring of ``capacity`` slots (slot = position mod
+    capacity), each contiguous in the ring and at most ``limit`` long."""
+    runs, pos = [], first
+    while pos < end:
+        slot = pos % capacity
+        n = min(end - pos, capacity - slot, limit or end)
+        runs.append((pos, slot, n))
+        pos += n
+    return runs
 
 
 def attention(q: torch.Tensor, store, start: int, window: int | None, scale: float,
               chunk: int = 1024) -> torch.Tensor:
     """Causal grouped-query attention of queries ``q`` ``[T, H, D]`` at
     positions ``start..start+T-1`` over the cache ``store`` holding positions
-    up to ``start+T-1``; keys further back than ``window`` are masked. Keys are
-    dequantized ``chunk`` slots at a time with an online softmax, never the
-    whole cache at once. Returns ``[T, H, D]`` float32 (k8v4 rotated back)."""
+    up to ``start+T-1``; keys further back than ``window`` are masked (and
+    not read). Keys are dequantized ``chunk`` positions at a time, each chunk
+    a contiguous run of ring slots, with an online softmax, never the whole
+    cache at once. Returns ``[T, H, D]`` float32 (k8v4 rotated back)."""
     t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
     end = start + t
-    n_slots = min(store.capacity, end)
     qf = q.float().reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
+    # Only positions some query can see: the window of the first query on.
+    first = 0 if window is None else max(0, start - window + 1)
     q_pos = torch.arange(start, end, device=q.device).repeat(g)  # [G*T], matching qf's rows
     m = torch.full((hkv, g * t, 1), float("-inf"), device=q.device)
     l = torch.zeros((hkv, g * t, 1), device=q.device)
     acc = torch.zeros((hkv, g * t, d), device=q.device)
-    for c0 in range(0, n_slots, chunk):
-        slots = torch.arange(c0, min(n_slots, c0 + chunk), device=q.device)
-        k, v = kv_dequantize(store, slots)
-        k_pos = slot_positions(end, store.capacity, slots)
-        allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+    for p0, slot, n in slot_runs(first, end, store.capacity, chunk):
+        k, v = kv_dequantize(store, slice(slot, slot + n))
+        k_pos = torch.arange(p0, p0 + n, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
         if window is not None:
             allowed &= q_pos[:, None] - k_pos[None, :] < window
         scores = torch.matmul(qf, k.permute(1, 2, 0)) * scale  # [Hkv, G*T, n]

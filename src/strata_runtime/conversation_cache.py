@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from strata_kernels import slot_runs
+
 from .kv_cache import KVCache, store_fields
 from .memory import MiB
 from .staging import Lease, StagingPool
@@ -121,17 +123,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def _slot_runs(first: int, end: int, capacity: int) -> list[tuple[int, int, int]]:
-    """(first position, slot start, count) runs of positions ``first..end-1`` in a ring."""
-    runs, pos = [], first
-    while pos < end:
-        slot = pos % capacity
-        n = min(end - pos, capacity - slot)
-        runs.append((pos, slot, n))
-        pos += n
-    return runs
 
 
 def ring_serves(length: int, capacity: int, window: int, position: int) -> bool:
@@ -243,7 +234,7 @@ class ConversationCache:
             t = store_fields(cache.stores[layer])[name]
             row = t[0].numel() * t.element_size()
             stop = end if upto is None else min(end, upto)
-            for pos, slot, n in _slot_runs(first, stop, t.shape[0]):
+            for pos, slot, n in slot_runs(first, stop, t.shape[0]):
                 piece = t[slot:slot + n]
                 at = offset + (pos - first) * row
                 if to_pool:

@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="path of a .gguf file (default: the embedded model)")
     info.add_argument("--context", type=_positive_int, default=None,
                       help="context length to cost in KV memory (default: the model's)")
+    info.add_argument("--devices", default=None, help="plan a layer split over these devices (e.g. cuda:0,cuda:1)")
+    info.add_argument("--layer-split", default=None,
+                      help="first layer of each stage after the first (e.g. 9), or auto (default with --devices)")
+    info.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV format of the planned split")
     return parser
 
 
@@ -251,7 +255,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         per_token = format_bytes_per_token(fmt, c.block_count, c.head_count_kv, c.key_length)
         print(f"  {fmt:<5} {per_token:>7} bytes per token ({per_token / f16:.3f}x f16), "
               f"{per_token * context / MiB:.1f} MiB")
+    if args.devices or args.layer_split:
+        _print_split(gguf, args, context)
     return 0
+
+
+def _print_split(gguf, args: argparse.Namespace, context: int) -> None:
+    from strata_runtime.pipeline import plan_split
+
+    stages = plan_split(gguf, args.devices or "cpu", args.layer_split, context, args.kv)
+    print(f"planned split over {len(stages)} stage(s), KV in {args.kv} at a context of {context}:")
+    for i, s in enumerate(stages):
+        extra = [w for w, on in (("embeddings", i == 0), ("output head", i == len(stages) - 1)) if on]
+        print(f"  stage {i} {s.device:<8} layers {s.layers.start:>3}-{s.layers.stop - 1:<3} "
+              f"weights {s.weight_bytes / MiB:>8.1f} MiB  KV {s.kv_bytes / MiB:>8.1f} MiB"
+              + (f"  (+ {', '.join(extra)})" if extra else ""))
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info}

@@ -1,0 +1,195 @@
+"""Layer-split pipelines: which layers each device runs.
+
+A model that does not fit one device is split by layers: the first layers on
+one device, the rest on the next, the hidden state handed over between them.
+The embeddings live with the first stage and the output head with the last.
+This module plans a split from the GGUF metadata alone (no weight is read),
+so bad split arguments fail before anything is loaded.
+
+``layer_split`` lists the first layer of every stage after the first
+(``[9]`` on two devices: layers 0-8, then 9-end), or is ``"auto"``: stages
+sized by each device's free memory after a per-device reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
+
+from .errors import StrataError
+from .gguf_file import GGUFFile
+from .kv_cache import PREFILL_CHUNK
+from .memory import HostMemory, MiB
+from .models import model_module
+
+DEFAULT_RESERVE = 1024 * MiB  # left free on every device by "auto"
+
+
+class SplitError(StrataError):
+    """A layer split that cannot work, with what to change."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its device, its layers, and what it holds.
+
+    Invariant: the stages of a plan cover layers ``0..n_layers-1`` in order,
+    each at least one layer; ``weight_bytes`` counts the embedding table on
+    the first stage and the output head (and final norm) on the last."""
+
+    device: str
+    layers: range
+    weight_bytes: int
+    kv_bytes: int  # KV cache at the planned context, in the planned format
+
+
+def parse_devices(devices: str | Sequence[str]) -> list[str]:
+    """``"cpu,cuda:0"`` or a list -> checked device names."""
+    names = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else [str(d) for d in devices]
+    if not names or any(not d for d in names):
+        raise SplitError(f"devices must be a comma-separated list such as 'cuda:0,cuda:1', got {devices!r}")
+    for name in names:
+        try:
+            kind = torch.device(name).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise SplitError(f"device {name!r} is not 'cpu', 'cuda' or 'cuda:N'")
+    return names
+
+
+def parse_layer_split(text: str | Sequence[int] | None) -> list[int] | str | None:
+    """``"9,18"`` -> [9, 18]; ``"auto"`` stays; None stays."""
+    if text is None or text == "auto":
+        return text
+    if not isinstance(text, str):
+        return [int(x) for x in text]
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SplitError(f"layer_split must be 'auto' or first layers such as '9' or '6,12', got {text!r}") from None
+
+
+def check_split(n_layers: int, devices: Sequence[str], boundaries: Sequence[int]) -> list[int]:
+    """Explicit boundaries, checked against the model and the devices."""
+    boundaries = list(boundaries)
+    if len(boundaries) != len(devices) - 1:
+        stages = len(boundaries) + 1
+        raise SplitError(
+            f"layer_split {boundaries} makes {stages} stage{'s' if stages != 1 else ''} but {len(devices)} "
+            f"device{'s were' if len(devices) != 1 else ' was'} given; give one first layer per device after the first"
+        )
+    for b in boundaries:
+        if not 1 <= b <= n_layers - 1:
+            raise SplitError(f"layer_split boundary {b} is out of range: the model has {n_layers} layers, so each "
+                             f"boundary must be in 1..{n_layers - 1}")
+    if any(b >= c for b, c in zip(boundaries, boundaries[1:])):
+        raise SplitError(f"layer_split {boundaries} must be strictly increasing (each stage needs a layer)")
+    return boundaries
+
+
+@dataclass(frozen=True)
+class _ModelBytes:
+    per_layer: list[int]
+    first_extra: int  # token embeddings
+    last_extra: int  # output head (the tied table again when there is no output.weight) and final norm
+    windows: list[int | None]
+    kv_heads: int
+    head_dim: int
+
+
+def _model_bytes(gguf: GGUFFile) -> _ModelBytes:
+    infos = {t.name: t for t in gguf.tensor_infos()}
+    n = gguf.config.block_count
+    per_layer = [0] * n
+    for name, info in infos.items():
+        if name.startswith("blk."):
+            per_layer[int(name.split(".")[1])] += info.nbytes
+    embed = infos["token_embd.weight"].nbytes
+    head = infos["output.weight"].nbytes if "output.weight" in infos else embed
+    norm = infos["output_norm.weight"].nbytes if "output_norm.weight" in infos else 0
+    module = model_module(gguf.architecture, gguf.path)
+    args = module.ModelArgs.from_config(gguf.config, infos["token_embd.weight"].shape[0])
+    windows = [args.sliding_window if args.is_sliding(i) else None for i in range(n)]
+    return _ModelBytes(per_layer, embed, head + norm, windows, args.n_kv_heads, args.head_dim)
+
+
+def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | Sequence[int] | None,
+               context: int, kv: str = "f16", reserve_bytes: int = DEFAULT_RESERVE,
+               memory: HostMemory | None = None) -> list[StagePlan]:
+    """The stages for ``devices`` and ``layer_split`` (see the module docstring)."""
+    devices = parse_devices(devices)
+    split = parse_layer_split(layer_split)
+    mb = _model_bytes(gguf)
+    n = len(mb.per_layer)
+    if split is None:
+        split = [] if len(devices) == 1 else "auto"
+    if split == "auto":
+        boundaries = _auto_boundaries(mb, devices, reserve_bytes, memory or HostMemory())
+    else:
+        boundaries = check_split(n, devices, split)
+    edges = [0, *boundaries, n]
+    stages = []
+    for i, device in enumerate(devices):
+        layers = range(edges[i], edges[i + 1])
+        weights = sum(mb.per_layer[j] for j in layers)
+        weights += (mb.first_extra if i == 0 else 0) + (mb.last_extra if i == len(devices) - 1 else 0)
+        kv_bytes = sum(_capacity(mb.windows[j], context) * layer_bytes_per_token(kv, mb.kv_heads, mb.head_dim)
+                       for j in layers)
+        stages.append(StagePlan(device, layers, weights, kv_bytes))
+    return stages
+
+
+def _capacity(window: int | None, context: int) -> int:
+    return context if window is None else min(context, window + PREFILL_CHUNK)
+
+
+def _free_bytes(devices: list[str], memory: HostMemory) -> list[int]:
+    """Free memory per device; CPU stages share the host's headroom."""
+    cpus = sum(1 for d in devices if torch.device(d).type == "cpu")
+    host = None
+    out = []
+    for d in devices:
+        if torch.device(d).type == "cuda":
+            if not torch.cuda.is_available():
+                raise SplitError(f"device {d!r} was asked for but torch sees no CUDA device")
+            out.append(torch.cuda.mem_get_info(torch.device(d))[0])
+        else:
+            if host is None:
+                headroom = memory.headroom()
+                if not headroom.known:
+                    raise SplitError(f"layer_split='auto' needs the host's free memory: {headroom.reason}; "
+                                     f"give explicit first layers instead")
+                host = headroom.bytes
+            out.append(host // cpus)
+    return out
+
+
+def _auto_boundaries(mb: _ModelBytes, devices: list[str], reserve: int, memory: HostMemory) -> list[int]:
+    """Cut where each stage's share of the weights matches its share of the free memory."""
+    n, k = len(mb.per_layer), len(devices)
+    if k == 1:
+        return []
+    if k > n:
+        raise SplitError(f"{k} devices but the model has only {n} layers; give at most {n} devices")
+    room = [max(0, f - reserve) for f in _free_bytes(devices, memory)]
+    total = sum(mb.per_layer) + mb.first_extra + mb.last_extra
+    if sum(room) < total:
+        raise SplitError(f"the weights need {total / MiB:.0f} MiB but the devices have {sum(room) / MiB:.0f} MiB "
+                         f"free after a {reserve / MiB:.0f} MiB reserve each; add devices or free memory")
+    boundaries, used, stage, budget = [], mb.first_extra, 0, total * room[0] / sum(room)
+    for layer in range(n):
+        left_layers, left_stages = n - layer, k - stage - 1
+        # Cut when this stage is full, but never leave a later stage without a layer.
+        must_cut = left_layers == left_stages
+        if stage < k - 1 and layer > (boundaries[-1] if boundaries else 0) and (
+                used + mb.per_layer[layer] > budget or must_cut):
+            boundaries.append(layer)
+            stage += 1
+            budget += total * room[stage] / sum(room)
+        used += mb.per_layer[layer]
+    return boundaries

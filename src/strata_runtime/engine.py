@@ -19,6 +19,7 @@ from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache
 from .models import model_module
+from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split, tensor_device
 from .memory import MiB, HostMemory
 from .sampling import Sampler, SamplingParams
 from .staging import StagingPool
@@ -44,6 +45,8 @@ class EngineConfig:
     min_free_mib: int = 1024  # host memory the pool must leave free
     checkpoint_every: int = 2048  # running-state checkpoints every N prompt tokens (0: only at turn boundaries)
     strict_conversation_cache: bool = False  # refuse the pool rather than shrink it to fit
+    devices: tuple[str, ...] | None = None  # a layer split over these devices (None: just ``device``)
+    layer_split: str | tuple[int, ...] | None = None  # first layer of each later stage, or "auto"
     cache_dir: str | None = None  # where the default model is assembled
     progress: bool = True  # progress bars while assembling and loading
 
@@ -66,6 +69,12 @@ class EngineConfig:
             kind = None
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.layer_split is not None and self.devices is None:
+            raise ValueError("layer_split needs devices (the devices the stages run on)")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(parse_devices(self.devices)))
+            split = parse_layer_split(self.layer_split)
+            object.__setattr__(self, "layer_split", split if isinstance(split, str) or split is None else tuple(split))
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -121,6 +130,14 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
         path = default_model_path(config.cache_dir, progress=config.progress)
     gguf = GGUFFile.open(path)
     module = model_module(gguf.architecture, gguf.path)
+    stages = None
+    if config.devices is not None:
+        # Checked from metadata alone: a bad split fails before any weight is read.
+        context = min(config.context_length, gguf.config.context_length)
+        stages = plan_split(gguf, list(config.devices), config.layer_split, context, config.kv, memory=memory)
+        for s in stages:
+            if torch.device(s.device).type == "cuda" and not torch.cuda.is_available():
+                raise StrataError(f"device {s.device!r} was asked for but torch sees no CUDA device")
     tokenizer = Tokenizer.from_gguf(gguf)
     args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
     names = gguf.tensor_names()
@@ -128,10 +145,11 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
 
         def weights(name: str):
             bar.update(1)
-            return gguf.tensor(name).to(device)
+            return gguf.tensor(name).to(device if stages is None else tensor_device(name, stages))
 
         with torch.inference_mode():
-            model = module.Model(args, weights, DTYPES[config.dtype]).to(device)
+            model = module.Model(args, weights, DTYPES[config.dtype])
+            model = model.to(device) if stages is None else Pipeline(model, stages)
     return Engine(gguf, model, tokenizer, config, memory)
 
 
@@ -261,6 +279,8 @@ class Engine:
             "vocab_size": self.tokenizer.vocab.size,
             "dtype": self.config.dtype,
             "device": str(self.model.device),
+            "stages": [{"device": s.device, "layers": [s.layers.start, s.layers.stop - 1]}
+                       for s in getattr(self.model, "stages", [])],
             "kv": self.config.kv,
             "kv_storage": str(self._cache.stores[0].k.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self._cache.bytes_per_token(),

@@ -38,15 +38,17 @@ class KVCache:
     """
 
     def __init__(self, fmt: str, windows: list[int | None], kv_heads: int, head_dim: int, max_tokens: int,
-                 device: torch.device | str = "cpu", float_dtype: torch.dtype | None = None, ring: bool = True):
+                 device: torch.device | str | list = "cpu", float_dtype: torch.dtype | None = None, ring: bool = True):
         if fmt not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         self.fmt = fmt
         self.windows = list(windows)
         self.max_tokens = max_tokens
+        # One device for all layers, or (a layer-split pipeline) one per layer.
+        devices = device if isinstance(device, list) else [device] * len(self.windows)
         self.stores = [
-            KVStore.allocate(fmt, _capacity(w if ring else None, max_tokens), kv_heads, head_dim, device, float_dtype)
-            for w in self.windows
+            KVStore.allocate(fmt, _capacity(w if ring else None, max_tokens), kv_heads, head_dim, d, float_dtype)
+            for w, d in zip(self.windows, devices)
         ]
         self.length = 0
 

@@ -13,10 +13,12 @@ sized by each device's free memory after a per-device reserve.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 
@@ -193,3 +195,87 @@ def _auto_boundaries(mb: _ModelBytes, devices: list[str], reserve: int, memory: 
             budget += total * room[stage] / sum(room)
         used += mb.per_layer[layer]
     return boundaries
+
+
+# --- running a split in one process ---------------------------------------------
+
+
+def tensor_device(name: str, stages: list[StagePlan]) -> torch.device:
+    """Where a GGUF tensor is loaded: its layer's stage; token embeddings on
+    the first stage; everything else (final norm, output head) on the last."""
+    if name.startswith("blk."):
+        layer = int(name.split(".")[1])
+        return torch.device(next(s.device for s in stages if layer in s.layers))
+    return torch.device(stages[0].device if name.startswith("token_embd") else stages[-1].device)
+
+
+class _Handoff(nn.Module):
+    """A layer on its stage's device: moves the hidden state (and positions)
+    there first. The wrapped layer is unchanged."""
+
+    def __init__(self, block: nn.Module, device: torch.device):
+        super().__init__()
+        self.block = block.to(device)
+        self.device = device
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        return self.block(x.to(self.device), positions.to(self.device), cache)
+
+
+class _SplitEmbedding(nn.Module):
+    """Token lookup on the first stage, output head on the last (a copy of a
+    tied table when the two are on different devices)."""
+
+    def __init__(self, embedding: nn.Module, first: torch.device, last: torch.device):
+        super().__init__()
+        self.lookup = embedding.to(first)
+        self.head = self.lookup if first == last else copy.deepcopy(embedding).to(last)
+        self.first = first
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lookup(tokens.to(self.first))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(x)
+
+
+class Pipeline(nn.Module):
+    """A plain model run as stages on several devices of one process.
+
+    The split is applied from outside: the model's layers are wrapped so the
+    hidden state moves to the next stage's device at each boundary; its
+    forward is unchanged. Invariant: layer ``i``'s weights and KV store live
+    on ``layer_devices[i]``; embeddings on the first stage, the final norm
+    and output head on the last."""
+
+    def __init__(self, model: nn.Module, stages: list[StagePlan]):
+        super().__init__()
+        devices = [torch.device(s.device) for s in stages]
+        self.stages = stages
+        self.layer_devices = [torch.device(s.device) for s in stages for _ in s.layers]
+        if len(self.layer_devices) != len(model.layers):
+            raise SplitError(f"the plan covers {len(self.layer_devices)} layers; the model has {len(model.layers)}")
+        self._windows = model.attention_windows()  # read before the layers are wrapped
+        model.embedding = _SplitEmbedding(model.embedding, devices[0], devices[-1])
+        model.embed_scale = model.embed_scale.to(devices[0])
+        model.layers = nn.ModuleList(_Handoff(b, d) for b, d in zip(model.layers, self.layer_devices))
+        model.norm = model.norm.to(devices[-1])
+        self.model = model
+        self.args = model.args
+
+    def forward(self, tokens, positions, cache, last_only: bool = False) -> torch.Tensor:
+        return self.model(tokens, positions, cache, last_only=last_only)
+
+    @property
+    def device(self) -> torch.device:
+        """Where token ids are made (the first stage); logits come from the last."""
+        return self.layer_devices[0]
+
+    def attention_windows(self) -> list[int | None]:
+        return list(self._windows)
+
+    def new_cache(self, max_tokens: int, kv: str = "f16"):
+        from .kv_cache import KVCache
+
+        a = self.args
+        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, list(self.layer_devices))

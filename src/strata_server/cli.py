@@ -46,6 +46,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")
     g.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+    g.add_argument("--devices", default=None,
+                   help="split the layers over these devices, e.g. cuda:0,cuda:1 (see strata info --devices)")
+    g.add_argument("--layer-split", default=None,
+                   help="first layer of each stage after the first, e.g. 9 or 6,12; or auto (the default)")
     c = p.add_argument_group("conversation cache")
     c.add_argument("--conversation-cache-mib", type=_whole, default=1024,
                    help="host staging pool for parked conversations, reserved at start (0: none)")
@@ -91,7 +95,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop")
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "conversation_cache_mib",
-                  "conversation_cache_slots", "min_free_mib", "checkpoint_every")
+                  "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices", "layer_split")
 
 
 def _pick(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""A layer split run in one process (two stages on cpu/cpu) against one stage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import strata_runtime
+from strata_runtime.pipeline import Pipeline, SplitError
+
+
+@pytest.fixture(scope="module")
+def split(model_file):
+    return strata_runtime.load(model_file, progress=False, context_length=512, devices=["cpu", "cpu"],
+                               layer_split=[9], conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
+
+
+def test_two_stages_give_the_logits_and_greedy_tokens_of_one(engine, split, reference_float32):
+    assert isinstance(split.model, Pipeline)
+    assert split.props()["stages"] == [{"device": "cpu", "layers": [0, 8]}, {"device": "cpu", "layers": [9, 17]}]
+    for case in reference_float32["teacher_forced"]:
+        one, two = engine.logits(case["tokens"]), split.logits(case["tokens"])
+        assert torch.allclose(one, two, atol=1e-5, rtol=0), float((one - two).abs().max())
+    for case in reference_float32["greedy"]:
+        assert split.generate(case["prompt_tokens"], max_tokens=16, temperature=0).tokens == \
+            engine.generate(case["prompt_tokens"], max_tokens=16, temperature=0).tokens
+
+
+def test_the_stages_park_and_restore_conversations_like_one(engine, split):
+    """Alternating prompts through the split's conversation cache equal cold runs of one stage."""
+    prompts = [engine.tokenize(t * 6) for t in ("The printing press came to Venice in 1469. ",
+                                                 "Bread needs flour, water and salt. ")]
+    order = [prompts[0], prompts[1], prompts[0] + prompts[1][1:4], prompts[1] + prompts[0][1:4]]
+    warm = [split.generate(p, max_tokens=4, temperature=0) for p in order]
+    cold = [strata_runtime.load(engine.gguf.path, progress=False, context_length=512, conversation_cache_mib=0)
+            .generate(p, max_tokens=4, temperature=0).tokens for p in order]
+    assert [w.tokens for w in warm] == cold
+    assert split.stats()["restored"] >= 1 and any(w.cached_tokens > 20 for w in warm[2:])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(devices=["cpu", "cpu"], layer_split=[30]), "out of range"),
+    (dict(devices=["cpu", "cpu"], layer_split=[5, 9]), "makes 3 stages but 2 devices"),
+    (dict(devices=["cpu", "cpu", "cpu"], layer_split=[9, 4]), "strictly increasing"),
+    (dict(devices=["cpu", "gpu"]), "is not 'cpu', 'cuda' or 'cuda:N'"),
+])
+def test_bad_split_arguments_fail_before_loading(model_file, options, message):
+    with pytest.raises(SplitError, match=message):
+        strata_runtime.load(model_file, progress=False, **options)
+
+
+def test_layer_split_without_devices_is_refused(model_file):
+    with pytest.raises(ValueError, match="layer_split needs devices"):
+        strata_runtime.load(model_file, progress=False, layer_split=[9])
+
+
+def test_cli_generates_through_a_split(model_file):
+    args = ["--model", str(model_file), "--context-length", "128", "--temperature", "0", "-n", "6",
+            "--conversation-cache-mib", "0"]
+    one = subprocess.run([sys.executable, "-m", "strata_server.cli", "generate", "The capital of France is", *args],
+                         capture_output=True, text=True, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "strata_server.cli", "generate", "The capital of France is", *args,
+                          "--devices", "cpu,cpu", "--layer-split", "6"], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout
+
+
+@pytest.mark.gpu
+def test_a_split_across_the_cpu_and_a_gpu_matches_one_stage(engine, model_file, reference_float32):
+    """Stage 0 on the CPU (exact), stage 1 on CUDA (GGUF blocks through the
+    Triton kernels): the hidden state crosses devices at layer 9."""
+    split = strata_runtime.load(model_file, progress=False, context_length=512, devices=["cpu", "cuda:0"],
+                                layer_split=[9])
+    assert {s.k.device.type for s in split.new_cache(16).stores} == {"cpu", "cuda"}
+    for case in reference_float32["teacher_forced"]:
+        ours, cpu = split.logits(case["tokens"]), engine.logits(case["tokens"])
+        assert float((ours.argmax(-1) == cpu.argmax(-1)).float().mean()) >= 0.99
+        assert float((ours - cpu).abs().max()) < 0.05

@@ -79,3 +79,20 @@ def test_a_split_across_the_cpu_and_a_gpu_matches_one_stage(engine, model_file, 
         ours, cpu = split.logits(case["tokens"]), engine.logits(case["tokens"])
         assert float((ours.argmax(-1) == cpu.argmax(-1)).float().mean()) >= 0.99
         assert float((ours - cpu).abs().max()) < 0.05
+
+
+def test_a_fault_in_one_stage_part_skips_the_checkpoint_on_every_stage(engine, model_file, caplog):
+    from strata_runtime.testing import inject_fault
+
+    caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
+    split = strata_runtime.load(model_file, progress=False, context_length=512, devices="cpu,cpu", layer_split="9",
+                                conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
+    prompt = engine.tokenize("The printing press came to Venice in 1469. " * 8)
+    with inject_fault("checkpoint_copy", stage=1) as fault:
+        out = split.generate(prompt, max_tokens=4, temperature=0)
+    assert fault.fired >= 2  # every checkpoint position of the prompt (32, 64, ...)
+    assert out.tokens == engine.generate(prompt, max_tokens=4, temperature=0).tokens
+    stats = split.stats()
+    assert stats["checkpoint_skipped"] == fault.fired and stats.get("checkpoints_saved", 0) == 0
+    assert stats["checkpoints_now"] == 0 and stats["pool_bytes_used"] == 0  # stage 0's part was given back too
+    assert "in stage 1's part (of 2; skipped on every stage)" in caplog.text

@@ -156,24 +156,29 @@ class ConversationCache:
 
     # --- the one copy function ------------------------------------------------
 
-    def _copy(self, point: str, work) -> Skipped | None:
-        """Run a device/host copy; a device-side failure becomes ``Skipped``."""
-        try:
-            fault_point(point)
-            if self._copy_stream is None:
-                work()
-            else:
-                # Wait for the writes that produced the cache, copy, and finish
-                # before anyone reads the pages or the restored cache.
-                self._copy_stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._copy_stream):
-                    work()
-                self._copy_stream.synchronize()
-            return None
-        except (torch.OutOfMemoryError, MemoryError) as e:
-            return Skipped(f"copy failed: out of memory ({e})", "out_of_memory")
-        except RuntimeError as e:  # CUDA errors surface as RuntimeError
-            return Skipped(f"copy failed: {str(e).splitlines()[0][:120]}", "copy_failed")
+    def _copy(self, point: str, cache: KVCache, stored: "_Stored", to_pool: bool,
+              upto: int | None = None) -> Skipped | None:
+        """Copy ``stored``'s parts between ``cache`` and the pool, one part per
+        pipeline stage; a device-side failure in any part becomes ``Skipped``
+        (the caller then drops the whole snapshot, on every stage)."""
+        stages = sorted(set(cache.layer_stages))
+        for stage in stages:
+            try:
+                fault_point(point, stage)
+                if self._copy_stream is None:
+                    self._copy_parts(cache, stored, to_pool, upto, stage)
+                else:
+                    # Wait for the writes that produced the cache, copy, and finish
+                    # before anyone reads the pages or the restored cache.
+                    self._copy_stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(self._copy_stream):
+                        self._copy_parts(cache, stored, to_pool, upto, stage)
+                    self._copy_stream.synchronize()
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                return Skipped(f"copy failed{_part(stage, stages)}: out of memory ({e})", "out_of_memory")
+            except RuntimeError as e:  # CUDA errors surface as RuntimeError
+                return Skipped(f"copy failed{_part(stage, stages)}: {str(e).splitlines()[0][:120]}", "copy_failed")
+        return None
 
     def _lease(self, nbytes: int, what: str, evict_snapshots: bool) -> Lease | Skipped:
         if self.pool.total_bytes == 0:
@@ -229,8 +234,10 @@ class ConversationCache:
         return parts, offset
 
     @staticmethod
-    def _copy_parts(cache: KVCache, stored: _Stored, to_pool: bool, upto: int | None = None) -> None:
+    def _copy_parts(cache: KVCache, stored: _Stored, to_pool: bool, upto: int | None, stage: int) -> None:
         for layer, name, first, end, offset in stored.parts:
+            if cache.layer_stages[layer] != stage:
+                continue
             t = store_fields(cache.stores[layer])[name]
             row = t[0].numel() * t.element_size()
             stop = end if upto is None else min(end, upto)
@@ -248,7 +255,7 @@ class ConversationCache:
         if isinstance(lease, Skipped):
             return lease
         stored = _Stored(lease, parts, nbytes)
-        failed = self._copy(point, lambda: self._copy_parts(cache, stored, to_pool=True))
+        failed = self._copy(point, cache, stored, to_pool=True)
         if failed:
             self.pool.release(lease)
             return failed
@@ -334,13 +341,13 @@ class ConversationCache:
         t0 = time.perf_counter()
         if snap is not None:
             cache.reset()  # if the copy fails midway, the live state is cold and consistent
-            failed = self._copy("restore_copy", lambda: self._copy_parts(cache, snap.stored, False, upto=position))
+            failed = self._copy("restore_copy", cache, snap.stored, to_pool=False, upto=position)
             if failed:
                 return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch", failed.cause),
                                     "restore")
             snap.last_used = time.monotonic()
         if cp is not None:
-            failed = self._copy("restore_copy", lambda: self._copy_parts(cache, cp.stored, False))
+            failed = self._copy("restore_copy", cache, cp.stored, to_pool=False)
             if failed:
                 cache.reset()
                 return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch", failed.cause),
@@ -391,6 +398,10 @@ def _describe(outcome: Outcome, seconds: float) -> str:
     if isinstance(outcome, Restored):
         return f"restored {outcome.position} tokens from a parked snapshot in {seconds * 1e3:.1f} ms"
     return f"checkpoint saved at {outcome.position} ({_mib(outcome.bytes)})"
+
+
+def _part(stage: int, stages: list[int]) -> str:
+    return f" in stage {stage}'s part (of {len(stages)}; skipped on every stage)" if len(stages) > 1 else ""
 
 
 def _mib(n: int) -> str:

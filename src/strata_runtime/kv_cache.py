@@ -38,12 +38,15 @@ class KVCache:
     """
 
     def __init__(self, fmt: str, windows: list[int | None], kv_heads: int, head_dim: int, max_tokens: int,
-                 device: torch.device | str | list = "cpu", float_dtype: torch.dtype | None = None, ring: bool = True):
+                 device: torch.device | str | list = "cpu", float_dtype: torch.dtype | None = None, ring: bool = True,
+                 layer_stages: list[int] | None = None):
         if fmt not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         self.fmt = fmt
         self.windows = list(windows)
         self.max_tokens = max_tokens
+        # The pipeline stage owning each layer (all 0 without a split).
+        self.layer_stages = list(layer_stages) if layer_stages is not None else [0] * len(self.windows)
         # One device for all layers, or (a layer-split pipeline) one per layer.
         devices = device if isinstance(device, list) else [device] * len(self.windows)
         self.stores = [

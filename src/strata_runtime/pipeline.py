@@ -278,4 +278,6 @@ class Pipeline(nn.Module):
         from .kv_cache import KVCache
 
         a = self.args
-        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, list(self.layer_devices))
+        stages = [i for i, s in enumerate(self.stages) for _ in s.layers]
+        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, list(self.layer_devices),
+                       layer_stages=stages)

@@ -23,6 +23,7 @@ class _Fault:
     times: int | None
     rate: float
     rng: random.Random
+    stage: int | None = None
     fired: int = 0
     calls: int = field(default=0)
 
@@ -32,13 +33,14 @@ _armed: dict[str, list[_Fault]] = {}
 
 @contextmanager
 def inject_fault(point: str, exc: BaseException | None = None, times: int | None = None,
-                 rate: float = 1.0, seed: int = 0) -> Iterator[_Fault]:
+                 rate: float = 1.0, seed: int = 0, stage: int | None = None) -> Iterator[_Fault]:
     """While inside, calls reaching ``point`` raise ``exc`` (default: a torch
     out-of-memory error): on every call, at most ``times`` times, and each
-    time with probability ``rate`` (seeded, so a run is reproducible)."""
+    time with probability ``rate`` (seeded, so a run is reproducible).
+    ``stage``: only the copies of that pipeline stage's part."""
     if point not in POINTS:
         raise ValueError(f"unknown fault point {point!r}; points: {', '.join(POINTS)}")
-    fault = _Fault(exc or torch.OutOfMemoryError("injected: out of memory"), times, rate, random.Random(seed))
+    fault = _Fault(exc or torch.OutOfMemoryError("injected: out of memory"), times, rate, random.Random(seed), stage)
     _armed.setdefault(point, []).append(fault)
     try:
         yield fault
@@ -46,9 +48,11 @@ def inject_fault(point: str, exc: BaseException | None = None, times: int | None
         _armed[point].remove(fault)
 
 
-def fault_point(point: str) -> None:
-    """Raise here if a test armed ``point``."""
+def fault_point(point: str, stage: int = 0) -> None:
+    """Raise here if a test armed ``point`` (for this pipeline ``stage``)."""
     for fault in _armed.get(point, ()):
+        if fault.stage is not None and fault.stage != stage:
+            continue
         fault.calls += 1
         if fault.times is not None and fault.fired >= fault.times:
             continue

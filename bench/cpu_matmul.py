@@ -44,7 +44,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         dense = torch.randn(n, k, generator=g) * 0.02
-        w32, w16, w8 = dense, dense.bfloat16(), Int8Groups(dense)
+        w32, w16, w8 = dense, dense.bfloat16(), Int8Groups.from_dense(dense)
         repeats = 5 if n > 100000 else 50
         for m in map(int, args.rows.split(",")):
             if n > 100000 and m > 64:

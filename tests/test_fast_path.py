@@ -21,7 +21,7 @@ def test_int8_groups_are_within_half_a_step_and_both_matmul_sides_agree():
     dense = torch.randn(300, 96, generator=g)
     dense[7] = 0.0
     dense[9, :32] *= 50  # an outlier confined to its own group
-    w = Int8Groups(dense, group=32)
+    w = Int8Groups.from_dense(dense, group=32)
     assert len(w.codes) == 3 and all(c.is_contiguous() for c in w.codes)
     step = torch.cat([s.float()[:, None].expand(-1, 32) for s in w.scales], dim=1)
     err = (w.dense(dtype=torch.float32) - dense).abs()

@@ -46,19 +46,39 @@ class Int8Groups(nn.Module):
     are contiguous, as torch's int8 kernel wants.
     """
 
-    def __init__(self, dense: torch.Tensor, group: int = INT8_GROUP):
+    def __init__(self, rows: int, cols: int, group: int = INT8_GROUP):
         super().__init__()
         self.group = group
-        codes, scales = [], []
-        for g0 in range(0, dense.shape[1], group):
-            part = dense[:, g0:g0 + group]
+        self.rows = rows
+        widths = [min(group, cols - g0) for g0 in range(0, cols, group)]
+        self.codes = [torch.zeros(rows, w, dtype=torch.int8) for w in widths]
+        self.scales = [torch.ones(rows, dtype=torch.bfloat16) for _ in widths]
+
+    @classmethod
+    def from_dense(cls, dense: torch.Tensor, group: int = INT8_GROUP) -> "Int8Groups":
+        out = cls(dense.shape[0], dense.shape[1], group)
+        out._fill(0, dense.float())
+        return out
+
+    @classmethod
+    def from_blocks(cls, weight: QuantTensor, group: int = INT8_GROUP) -> "Int8Groups":
+        """Repack GGUF blocks a slab of rows at a time, so loading never holds
+        the whole table in float32 (671 MB for Gemma 3's head)."""
+        out = cls(weight.rows, weight.cols, group)
+        for r0 in range(0, weight.rows, DEQUANT_SLAB_ROWS):
+            part = QuantTensor(weight.data[r0:r0 + DEQUANT_SLAB_ROWS], weight.qtype,
+                               (min(DEQUANT_SLAB_ROWS, weight.rows - r0), weight.cols))
+            out._fill(r0, dequantize(part, torch.float32))
+        return out
+
+    def _fill(self, first_row: int, dense: torch.Tensor) -> None:
+        rows = slice(first_row, first_row + dense.shape[0])
+        for g, (codes, scales) in enumerate(zip(self.codes, self.scales)):
+            part = dense[:, g * self.group:(g + 1) * self.group]
             scale = part.abs().amax(dim=1) / 127
             scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.bfloat16)
-            codes.append(torch.round(part / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
-            scales.append(scale)
-        self.codes = codes
-        self.scales = scales
-        self.rows = dense.shape[0]
+            codes[rows] = torch.round(part / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+            scales[rows] = scale
 
     def dense(self, rows: slice | torch.Tensor = slice(None), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The selected rows, dequantized."""
@@ -101,7 +121,7 @@ class Linear(nn.Module):
         if keeps_blocks(weight):
             self.qweight = weight
         elif int8:
-            self.int8 = Int8Groups(dequantize(weight, torch.float32))
+            self.int8 = Int8Groups.from_blocks(weight)
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
 

@@ -48,7 +48,7 @@ def main() -> None:
                 read = store.nbytes
                 print(f"{shape:>9} {context:>8} {fmt:>6} {seconds * 1e6:>10.1f} {read / 1e6:>9.1f} "
                       f"{read / seconds / 1e9:>8.1f} {read / seconds / bandwidth:>8.1%}")
-                del store
+                store = None  # free it before the next format allocates
 
 
 if __name__ == "__main__":

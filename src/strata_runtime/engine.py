@@ -26,8 +26,8 @@ from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
 
-# float32: the exact path. bfloat16: the fast path (on the CPU, weights are
-# repacked to int8 per output row at load; its error is measured in tests).
+# float32: the exact path. bfloat16: the fast CPU path (bf16 weights, the
+# output head as grouped int8; its error against float32 is measured in tests).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -124,8 +124,9 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
     """
     config = EngineConfig.from_options(options)
     device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise StrataError(f"device={config.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
+    for name in config.devices or (config.device,):
+        if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+            raise StrataError(f"device={name!r} was asked for but torch sees no CUDA device; use device='cpu'")
     if path is None:
         path = default_model_path(config.cache_dir, progress=config.progress)
     gguf = GGUFFile.open(path)
@@ -135,9 +136,6 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
         # Checked from metadata alone: a bad split fails before any weight is read.
         context = min(config.context_length, gguf.config.context_length)
         stages = plan_split(gguf, list(config.devices), config.layer_split, context, config.kv, memory=memory)
-        for s in stages:
-            if torch.device(s.device).type == "cuda" and not torch.cuda.is_available():
-                raise StrataError(f"device {s.device!r} was asked for but torch sees no CUDA device")
     tokenizer = Tokenizer.from_gguf(gguf)
     args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
     names = gguf.tensor_names()

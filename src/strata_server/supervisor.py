@@ -214,8 +214,6 @@ class Supervisor:
                 job = self._in_flight = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
                 self._send(job.command)
-                if job.cancelled:
-                    self._send({"op": "cancel", "id": job.id})
 
     async def _ping(self, proc: asyncio.subprocess.Process) -> None:
         seq = 0

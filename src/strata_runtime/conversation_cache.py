@@ -235,6 +235,7 @@ class ConversationCache:
 
     @staticmethod
     def _copy_parts(cache: KVCache, stored: _Stored, to_pool: bool, upto: int | None, stage: int) -> None:
+        pieces = []  # (layer, field, first slot, slots, lease offset, bytes)
         for layer, name, first, end, offset in stored.parts:
             if cache.layer_stages[layer] != stage:
                 continue
@@ -242,12 +243,16 @@ class ConversationCache:
             row = t[0].numel() * t.element_size()
             stop = end if upto is None else min(end, upto)
             for pos, slot, n in slot_runs(first, stop, t.shape[0]):
-                piece = t[slot:slot + n]
-                at = offset + (pos - first) * row
-                if to_pool:
-                    stored.lease.copy_in(at, piece)
-                else:
-                    stored.lease.copy_out(at, piece)
+                pieces.append((layer, name, slot, n, offset + (pos - first) * row, n * row))
+        if cache.remote is not None and cache.remote.is_remote(stage):
+            cache.remote.copy_stage(cache, stage, pieces, stored.lease, to_pool)
+            return
+        for layer, name, slot, n, at, _ in pieces:
+            piece = store_fields(cache.stores[layer])[name][slot:slot + n]
+            if to_pool:
+                stored.lease.copy_in(at, piece)
+            else:
+                stored.lease.copy_out(at, piece)
 
     def _store(self, cache: KVCache, layers, point: str, what: str) -> _Stored | Skipped:
         parts, nbytes = self._plan(cache, layers)

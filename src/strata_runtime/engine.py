@@ -47,6 +47,8 @@ class EngineConfig:
     strict_conversation_cache: bool = False  # refuse the pool rather than shrink it to fit
     devices: tuple[str, ...] | None = None  # a layer split over these devices (None: just ``device``)
     layer_split: str | tuple[int, ...] | None = None  # first layer of each later stage, or "auto"
+    distributed: bool = False  # one stage per torch.distributed rank (torchrun); this process is rank 0
+    rank_timeout_s: float = 120.0  # a rank silent this long is lost (split across processes)
     cache_dir: str | None = None  # where the default model is assembled
     progress: bool = True  # progress bars while assembling and loading
 
@@ -69,7 +71,9 @@ class EngineConfig:
             kind = None
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.layer_split is not None and self.devices is None:
+        if not isinstance(self.rank_timeout_s, (int, float)) or self.rank_timeout_s <= 0:
+            raise ValueError(f"rank_timeout_s must be a positive number of seconds, got {self.rank_timeout_s!r}")
+        if self.layer_split is not None and self.devices is None and not self.distributed:
             raise ValueError("layer_split needs devices (the devices the stages run on)")
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(parse_devices(self.devices)))
@@ -131,6 +135,8 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
         path = default_model_path(config.cache_dir, progress=config.progress)
     gguf = GGUFFile.open(path)
     module = model_module(gguf.architecture, gguf.path)
+    if config.distributed:
+        return _load_rank0(gguf, module, config, memory)
     stages = None
     if config.devices is not None:
         # Checked from metadata alone: a bad split fails before any weight is read.
@@ -149,6 +155,22 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
             model = module.Model(args, weights, DTYPES[config.dtype])
             model = model.to(device) if stages is None else Pipeline(model, stages)
     return Engine(gguf, model, tokenizer, config, memory)
+
+
+def _load_rank0(gguf: GGUFFile, module, config: EngineConfig, memory: HostMemory | None) -> "Engine":
+    """Rank 0 of a split across processes: join the job, plan (with every
+    rank), load the first stage, and drive the others."""
+    from .ranks import RankPipeline, join, load_stage_model, plan_ranks, ready
+
+    rank, world = join()
+    if rank != 0:
+        raise StrataError(f"load(distributed=True) runs on rank 0; rank {rank} runs strata_runtime.ranks.follow()")
+    stages = plan_ranks(gguf, config, rank, world, memory)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
+    model = load_stage_model(gguf, module, args, stages, 0, DTYPES[config.dtype], config.progress)
+    ready(0)
+    return Engine(gguf, RankPipeline(model, stages, config.rank_timeout_s), tokenizer, config, memory)
 
 
 class Engine:
@@ -179,6 +201,13 @@ class Engine:
         self.conversations = self._reserve_conversation_cache(config, memory)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
+
+    def close(self) -> None:
+        """Stop what the engine runs outside this process: the other ranks of
+        a split across processes. The engine is unusable afterwards."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # --- text <-> tokens --------------------------------------------------
 

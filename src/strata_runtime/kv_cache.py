@@ -54,6 +54,10 @@ class KVCache:
             for w, d in zip(self.windows, devices)
         ]
         self.length = 0
+        # Rank 0 of a split across processes: the stores of other ranks'
+        # layers are on the meta device (shapes only) and their parts of a
+        # snapshot are copied through this link (``ranks.RankPipeline``).
+        self.remote = None
 
     # --- writing and reading ----------------------------------------------
 

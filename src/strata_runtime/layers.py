@@ -12,8 +12,9 @@ from strata_kernels import QuantTensor, dequantize, embedding_rows, qmatmul
 
 def keeps_blocks(weight: QuantTensor) -> bool:
     """Weights on a GPU stay as GGUF blocks and run through the Triton kernels;
-    on the CPU they are dequantized once, at load time."""
-    return weight.device.type == "cuda"
+    on the CPU they are dequantized once, at load time. On the meta device
+    (a weight another process of a split holds) they stay a shape: no bytes."""
+    return weight.device.type in ("cuda", "meta")
 
 
 def cpu_fast_path(weight: QuantTensor, dtype: torch.dtype) -> bool:

@@ -122,8 +122,10 @@ def _model_bytes(gguf: GGUFFile) -> _ModelBytes:
 
 def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | Sequence[int] | None,
                context: int, kv: str = "f16", reserve_bytes: int = DEFAULT_RESERVE,
-               memory: HostMemory | None = None) -> list[StagePlan]:
-    """The stages for ``devices`` and ``layer_split`` (see the module docstring)."""
+               memory: HostMemory | None = None, free_bytes: Sequence[int] | None = None) -> list[StagePlan]:
+    """The stages for ``devices`` and ``layer_split`` (see the module docstring).
+    ``free_bytes``: each device's free memory when measured elsewhere (each
+    rank of a split across processes measures its own)."""
     devices = parse_devices(devices)
     split = parse_layer_split(layer_split)
     mb = _model_bytes(gguf)
@@ -131,7 +133,11 @@ def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | 
     if split is None:
         split = [] if len(devices) == 1 else "auto"
     if split == "auto":
-        boundaries = _auto_boundaries(mb, devices, reserve_bytes, memory or HostMemory())
+        if len(devices) == 1:
+            boundaries = []
+        else:
+            free = list(free_bytes) if free_bytes is not None else free_device_bytes(devices, memory or HostMemory())
+            boundaries = _auto_boundaries(mb, devices, reserve_bytes, free)
     else:
         boundaries = check_split(n, devices, split)
     edges = [0, *boundaries, n]
@@ -150,7 +156,7 @@ def _capacity(window: int | None, context: int) -> int:
     return context if window is None else min(context, window + PREFILL_CHUNK)
 
 
-def _free_bytes(devices: list[str], memory: HostMemory) -> list[int]:
+def free_device_bytes(devices: list[str], memory: HostMemory) -> list[int]:
     """Free memory per device; CPU stages share the host's headroom."""
     cpus = sum(1 for d in devices if torch.device(d).type == "cpu")
     host = None
@@ -171,14 +177,14 @@ def _free_bytes(devices: list[str], memory: HostMemory) -> list[int]:
     return out
 
 
-def _auto_boundaries(mb: _ModelBytes, devices: list[str], reserve: int, memory: HostMemory) -> list[int]:
+def _auto_boundaries(mb: _ModelBytes, devices: list[str], reserve: int, free: list[int]) -> list[int]:
     """Cut where each stage's share of the weights matches its share of the free memory."""
     n, k = len(mb.per_layer), len(devices)
     if k == 1:
         return []
     if k > n:
         raise SplitError(f"{k} devices but the model has only {n} layers; give at most {n} devices")
-    room = [max(0, f - reserve) for f in _free_bytes(devices, memory)]
+    room = [max(0, f - reserve) for f in free]
     total = sum(mb.per_layer) + mb.first_extra + mb.last_extra
     if sum(room) < total:
         raise SplitError(f"the weights need {total / MiB:.0f} MiB but the devices have {sum(room) / MiB:.0f} MiB "

@@ -50,6 +50,13 @@ class Lease:
             yield self.pages[index] * page + within, pos, n
             pos += n
 
+    def byte_views(self, offset: int, length: int) -> list[torch.Tensor]:
+        """Lease bytes ``offset..offset+length-1`` as contiguous uint8 views of
+        the pool buffer, in order (one per page touched): for writers, such as
+        a receive from another process, that fill the pages directly."""
+        buf = self.pool.buffer
+        return [buf[at:at + n] for at, _, n in self._spans(offset, length)]
+
     def copy_in(self, offset: int, src: torch.Tensor) -> int:
         """Copy ``src`` (contiguous) to lease bytes ``offset..``; return the bytes written."""
         data = _bytes_of(src)

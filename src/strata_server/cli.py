@@ -8,6 +8,7 @@ assembled) and ``STRATA_API_KEY`` (a default for ``serve --api-key``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -50,6 +51,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="split the layers over these devices, e.g. cuda:0,cuda:1 (see strata info --devices)")
     g.add_argument("--layer-split", default=None,
                    help="first layer of each stage after the first, e.g. 9 or 6,12; or auto (the default)")
+    g.add_argument("--rank-timeout", dest="rank_timeout_s", type=float, default=120.0, metavar="SECONDS",
+                   help="under torchrun (one stage per rank): a rank silent this long ends the job (default 120)")
     c = p.add_argument_group("conversation cache")
     c.add_argument("--conversation-cache-mib", type=_whole, default=1024,
                    help="host staging pool for parked conversations, reserved at start (0: none)")
@@ -95,7 +98,8 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop")
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "conversation_cache_mib",
-                  "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices", "layer_split")
+                  "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices", "layer_split",
+                  "rank_timeout_s")
 
 
 def _pick(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -139,7 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return _pick(args, ENGINE_OPTIONS)
+    options = _pick(args, ENGINE_OPTIONS)
+    if _ranks():
+        options["distributed"] = True  # torchrun started us: one stage per rank
+    return options
+
+
+def _ranks() -> bool:
+    from strata_runtime.ranks import launched_with_ranks
+
+    return launched_with_ranks()
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """Ranks other than 0 of a torchrun job: run this rank's layers until rank 0 stops."""
+    from strata_runtime.ranks import follow
+
+    options = {k: v for k, v in _engine_options(args).items() if k != "distributed"}
+    return follow(args.model, cache_dir=os.environ.get("STRATA_CACHE_DIR"), **options)
 
 
 def _load(args: argparse.Namespace):
@@ -158,13 +179,16 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_sampling(args)
     engine = _load(args)
-    out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
-    for piece in engine.stream(args.prompt, **_sampling(args)):
-        out.write(piece)
+    try:
+        out = sys.stdout
+        out.write(args.prompt)
         out.flush()
-    out.write("\n")
+        for piece in engine.stream(args.prompt, **_sampling(args)):
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+    finally:
+        engine.close()
     if args.stats:
         c = engine.last_completion
         print(
@@ -177,10 +201,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from strata_runtime import StrataError
-
     _check_sampling(args)
     engine = _load(args)
+    try:
+        return _chat_loop(engine, args)
+    finally:
+        engine.close()
+
+
+def _chat_loop(engine, args: argparse.Namespace) -> int:
+    from strata_runtime import StrataError
+
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -226,6 +257,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
         hang_timeout_s=args.hang_timeout, log_level="info" if args.verbose else "warning",
     )
+    if options.get("distributed"):
+        # A restarted engine process cannot rejoin the job's ranks: its first crash ends the server.
+        config = dataclasses.replace(config, max_restarts=1)
     logging.getLogger("strata_server").setLevel(logging.INFO)  # restarts and engine lines always show
     return run(config)
 
@@ -276,6 +310,12 @@ def _print_split(gguf, args: argparse.Namespace, context: int) -> None:
               + (f"  (+ {', '.join(extra)})" if extra else ""))
 
 
+def _rank() -> int:
+    from strata_runtime.ranks import this_rank
+
+    return this_rank()
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info}
 
 
@@ -287,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata_runtime import StrataError
 
     try:
+        if args.command in ("generate", "chat", "serve") and _ranks() and _rank() != 0:
+            return _follow(args)
         return COMMANDS[args.command](args)
     except (StrataError, ValueError, TypeError) as e:
         print(f"strata: error: {e}", file=sys.stderr)

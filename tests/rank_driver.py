@@ -3,7 +3,8 @@
 Rank 0 loads the engine with ``distributed=True`` and writes what it saw to
 the file named by argv[1] (torch.save): greedy tokens of the reference
 prompts, teacher-forced logits, a parked-and-restored conversation, and a
-checkpoint whose stage-1 part fails. The other rank follows.
+checkpoint whose stage-1 part fails. The other rank follows. argv[4]: the
+devices, one per rank (default cpu,cpu).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import strata_runtime
 from strata_runtime import ranks
 from strata_runtime.testing import inject_fault
 
-OPTIONS = dict(progress=False, context_length=512, devices=["cpu", "cpu"], layer_split=[9], threads=1,
+OPTIONS = dict(progress=False, context_length=512, layer_split=[9], threads=1,
                conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
 
 
-def main(model: str, out: str, reference: str) -> int:
+def main(model: str, out: str, reference: str, devices: str = "cpu,cpu") -> int:
+    options = dict(OPTIONS, devices=devices.split(","))
     if ranks.this_rank() != 0:
-        return ranks.follow(model, **OPTIONS)
+        return ranks.follow(model, **options)
     ref = json.loads(open(reference).read())
-    engine = strata_runtime.load(model, distributed=True, **OPTIONS)
+    engine = strata_runtime.load(model, distributed=True, **options)
     try:
         result = {"props": engine.props()}
         result["greedy"] = [engine.generate(c["prompt_tokens"], max_tokens=16, temperature=0).tokens

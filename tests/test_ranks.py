@@ -49,16 +49,19 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[in
     return out
 
 
-@pytest.fixture(scope="module")
-def driven(model_file, tmp_path_factory):
+def drive(model_file, out: Path, devices: str = "cpu,cpu") -> dict:
     """What rank 0 of a two-rank split saw (tests/rank_driver.py)."""
-    out = tmp_path_factory.mktemp("ranks") / "result.pt"
     cmd = [sys.executable, str(HERE / "rank_driver.py"), str(model_file), str(out),
-           str(HERE / "data" / "gemma-3-270m-q4_k_m.float32.json")]
+           str(HERE / "data" / "gemma-3-270m-q4_k_m.float32.json"), devices]
     results = finish(start_ranks(cmd), timeout=600)
     for rank, (code, _, stderr) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}: {stderr[-3000:]}"
     return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def driven(model_file, tmp_path_factory):
+    return drive(model_file, tmp_path_factory.mktemp("ranks") / "result.pt")
 
 
 def test_two_ranks_give_the_greedy_tokens_and_logits_of_one_process(driven, engine, reference_float32):
@@ -194,3 +197,14 @@ def test_the_server_serves_through_ranks(model_file, engine):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_the_gpu_agree_with_the_cpu(model_file, engine, reference_float32, tmp_path):
+    """Both ranks on cuda:0 (GGUF blocks through the Triton kernels); the
+    hidden state and logits cross between the ranks through host memory."""
+    driven = drive(model_file, tmp_path / "gpu.pt", devices="cuda:0,cuda:0")
+    for case, logits in zip(reference_float32["teacher_forced"], driven["logits"]):
+        cpu = engine.logits(case["tokens"])
+        assert float((logits.argmax(-1) == cpu.argmax(-1)).float().mean()) >= 0.99
+    assert driven["conversation"]["stats"]["restored"] >= 1

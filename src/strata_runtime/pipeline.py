@@ -6,6 +6,10 @@ The embeddings live with the first stage and the output head with the last.
 This module plans a split from the GGUF metadata alone (no weight is read),
 so bad split arguments fail before anything is loaded.
 
+Here: planning, and running a split on several devices of one process
+(``Pipeline``). Across processes and hosts, one stage per
+``torch.distributed`` rank: ``ranks.py``, on the same plans.
+
 ``layer_split`` lists the first layer of every stage after the first
 (``[9]`` on two devices: layers 0-8, then 9-end), or is ``"auto"``: stages
 sized by each device's free memory after a per-device reserve.

@@ -21,7 +21,8 @@ from live_server import free_port
 
 HERE = Path(__file__).parent
 CLI = [sys.executable, "-m", "strata_server.cli"]
-SPLIT = ["--layer-split", "9", "--threads", "1", "--conversation-cache-mib", "0"]
+COMMON = ["--threads", "1", "--conversation-cache-mib", "0"]
+SPLIT = ["--layer-split", "9", *COMMON]
 
 
 def rank_env(rank: int, port: int, world: int = 2) -> dict[str, str]:
@@ -98,17 +99,20 @@ def test_a_fault_in_stage_1s_checkpoint_part_skips_the_checkpoint_and_serves(dri
     assert fault["tokens"] == cold.generate(fault["prompt"], max_tokens=4, temperature=0).tokens
 
 
-def test_torchrun_runs_the_cli_with_one_stage_per_rank(model_file, engine):
+@pytest.mark.parametrize("split", ["9", "auto"])
+def test_torchrun_runs_the_cli_with_one_stage_per_rank(model_file, engine, split):
+    """``auto``: each rank measures its own free memory; the ranks agree on one plan."""
     prompt = "The capital of France is"
     port = free_port()
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "-m", "strata_server.cli", "generate", prompt, "--model", str(model_file),
-         "--temperature", "0", "-n", "12", "--context-length", "256", *SPLIT],
+         "--master-port", str(port), "-m", "strata_server.cli", "-v", "generate", prompt, "--model", str(model_file),
+         "--temperature", "0", "-n", "12", "--context-length", "256", *COMMON, "--layer-split", split],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     expected = engine.generate(prompt, max_tokens=12, temperature=0).text
     assert run.stdout == prompt + expected + "\n"
+    assert "rank 1: serving layers" in run.stderr and "-17 on cpu" in run.stderr
 
 
 def _start_long_generation(model_file, extra: list[str] = ()) -> list[subprocess.Popen]:

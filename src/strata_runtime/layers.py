@@ -177,12 +177,16 @@ def rope_inverse_frequencies(head_dim: int, base: float, linear_scale: float = 1
     return 1.0 / (base ** exponents) / linear_scale
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """NEOX-style rotary embedding (halves rotated) of ``x`` ``[T, heads, dim]``."""
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[T, 1, dim]`` for ``apply_rope`` (made once per layer call,
+    shared by its queries and keys)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)
-    cos = angles.cos()[:, None, :].to(x.dtype)
-    sin = angles.sin()[:, None, :].to(x.dtype)
+    return angles.cos()[:, None, :].to(dtype), angles.sin()[:, None, :].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NEOX-style rotary embedding (halves rotated) of ``x`` ``[T, heads, dim]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

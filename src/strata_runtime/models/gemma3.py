@@ -16,7 +16,8 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import Linear, RMSNorm, TiedEmbedding, apply_rope, gelu_tanh, rope_inverse_frequencies
+from ..layers import (Linear, RMSNorm, TiedEmbedding, apply_rope, gelu_tanh, rope_inverse_frequencies,
+                      rope_tables)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,9 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(t, a.n_heads, a.head_dim))
         k = self.k_norm(self.k_proj(x).view(t, a.n_kv_heads, a.head_dim))
         v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        cos, sin = rope_tables(positions, self.inv_freq, q.dtype)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         start = int(positions[0])
         cache.write(self.layer, start, k, v)
         out = cache.attend(self.layer, q, start, a.attention_scale)

@@ -212,3 +212,13 @@ def test_two_ranks_on_the_gpu_agree_with_the_cpu(model_file, engine, reference_f
         cpu = engine.logits(case["tokens"])
         assert float((logits.argmax(-1) == cpu.argmax(-1)).float().mean()) >= 0.99
     assert driven["conversation"]["stats"]["restored"] >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL will not pair two ranks on one)")
+def test_two_ranks_on_two_gpus_hand_off_over_nccl(model_file, engine, reference_float32, tmp_path):
+    driven = drive(model_file, tmp_path / "nccl.pt", devices="cuda:0,cuda:1")
+    for case, logits in zip(reference_float32["teacher_forced"], driven["logits"]):
+        cpu = engine.logits(case["tokens"])
+        assert float((logits.argmax(-1) == cpu.argmax(-1)).float().mean()) >= 0.99
+    assert driven["conversation"]["stats"]["restored"] >= 1

@@ -160,7 +160,7 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
 def _load_rank0(gguf: GGUFFile, module, config: EngineConfig, memory: HostMemory | None) -> "Engine":
     """Rank 0 of a split across processes: join the job, plan (with every
     rank), load the first stage, and drive the others."""
-    from .ranks import RankPipeline, join, load_stage_model, plan_ranks, ready
+    from .ranks import RankPipeline, join, load_stage_model, open_wire, plan_ranks, ready
 
     rank, world = join()
     if rank != 0:
@@ -169,8 +169,9 @@ def _load_rank0(gguf: GGUFFile, module, config: EngineConfig, memory: HostMemory
     tokenizer = Tokenizer.from_gguf(gguf)
     args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
     model = load_stage_model(gguf, module, args, stages, 0, DTYPES[config.dtype], config.progress)
+    pipeline = RankPipeline(model, stages, open_wire(stages, 0, config.rank_timeout_s))
     ready(0)
-    return Engine(gguf, RankPipeline(model, stages, config.rank_timeout_s), tokenizer, config, memory)
+    return Engine(gguf, pipeline, tokenizer, config, memory)
 
 
 class Engine:

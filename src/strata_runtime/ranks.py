@@ -8,7 +8,8 @@ own layers (the others stay shapes on the meta device) and runs them when
 rank 0 says so. Every rank plans the same split from the GGUF metadata, so a
 bad split fails on every rank before any weight is read.
 
-The wire (gloo, over TCP). Rank 0 drives. Each command travels the chain
+The wire: gloo over TCP, and NCCL for the hidden states and logits when
+every stage has a GPU of its own (``open_wire``). Rank 0 drives. Each command travels the chain
 0 -> 1 -> ... -> last, every follower acting on it and passing it on, so a
 follower only ever listens to its predecessor. Replies go straight to rank 0,
 which waits for each before it sends the next command, so messages never
@@ -41,6 +42,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import weakref
 from typing import Any
 
@@ -164,14 +166,38 @@ def load_stage_model(gguf: GGUFFile, module, args, stages: list[StagePlan], rank
 # --- the wire ---------------------------------------------------------------------
 
 
+def open_wire(stages: list[StagePlan], rank: int, timeout_s: float) -> "_Wire":
+    """The messages of this job. Every rank calls this at the same point
+    (it is collective). When every stage is on its own GPU, the hidden states
+    and logits go GPU to GPU over NCCL; otherwise, and always for commands
+    and snapshot parts (rank 0's pool is host memory), over gloo."""
+    wire = _Wire(stages, timeout_s)
+    places = [None] * len(stages)
+    device = torch.device(stages[rank].device)
+    dist.all_gather_object(places, (socket.gethostname(), str(device)))
+    if device.type == "cuda" and all(torch.device(d).type == "cuda" for _, d in places) \
+            and len(set(places)) == len(places):
+        torch.cuda.set_device(device)
+        wire.nccl = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=timeout_s))
+        wire.device = device
+    return wire
+
+
 class _Wire:
     """Messages between ranks: JSON objects and raw tensor bytes, with errors
-    turned into ``StageLost`` naming the rank."""
+    turned into ``StageLost`` naming the rank. Tensors (hidden states and
+    logits) go over ``nccl`` when ``open_wire`` set it up.
+
+    With NCCL, a rank that dies between a command and its tensor is caught by
+    NCCL's own watchdog after the rank timeout (which ends the process), not
+    by ``StageLost``; commands and replies, which come first, still raise it."""
 
     def __init__(self, stages: list[StagePlan], timeout_s: float):
         self.stages = stages
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.lost: StageLost | None = None  # set at the first failure; the wire is dead after it
+        self.nccl = None  # a process group for GPU-to-GPU tensors, or None
+        self.device = torch.device("cpu")  # where received tensors land
 
     def _lost(self, peer: int, e: Exception) -> StageLost:
         self.lost = self._describe_loss(peer, e)
@@ -211,10 +237,16 @@ class _Wire:
         return json.loads(bytes(data.numpy()))
 
     def send_tensor(self, t: torch.Tensor, dst: int) -> None:
+        if self.nccl is not None:
+            dist.send(t.detach().to(self.device).contiguous(), dst, group=self.nccl)
+            return
         self.send_bytes(t.detach().cpu().contiguous(), dst)
 
     def recv_tensor(self, shape, dtype: torch.dtype, src: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.nccl is not None:
+            dist.recv(t, src, group=self.nccl)
+            return t
         self.recv_bytes(t, src)
         return t
 
@@ -250,11 +282,11 @@ class RankPipeline(nn.Module):
     follower until it is freed; layers of other ranks have meta stores here.
     """
 
-    def __init__(self, model: nn.Module, stages: list[StagePlan], timeout_s: float = DEFAULT_RANK_TIMEOUT_S):
+    def __init__(self, model: nn.Module, stages: list[StagePlan], wire: "_Wire"):
         super().__init__()
         self.stages = stages
         self.args = model.args
-        self.wire = _Wire(stages, timeout_s)
+        self.wire = wire
         self.layer_stages = [i for i, s in enumerate(stages) for _ in s.layers]
         self._windows = model.attention_windows()  # read before the layers are replaced
         device = torch.device(stages[0].device)
@@ -408,8 +440,7 @@ class Follower:
     0's cache ``id`` holds for them; its ``length`` is set from each
     ``forward`` command (rank 0 owns the bookkeeping)."""
 
-    def __init__(self, model: nn.Module, stages: list[StagePlan], rank: int,
-                 timeout_s: float = DEFAULT_RANK_TIMEOUT_S):
+    def __init__(self, model: nn.Module, stages: list[StagePlan], rank: int, wire: "_Wire"):
         self.stages = stages
         self.rank = rank
         self.last = rank == len(stages) - 1
@@ -421,7 +452,7 @@ class Follower:
         self.norm = model.norm if self.last else None
         self.head = model.embedding if self.last else None
         self.layer_stages = [i for i, s in enumerate(stages) for _ in s.layers]
-        self.wire = _Wire(stages, timeout_s)
+        self.wire = wire
         self.caches: dict[int, KVCache] = {}
 
     def run(self) -> None:
@@ -532,7 +563,7 @@ def follow(path=None, **options: Any) -> int:
     # The vocabulary size only shapes the token table; rank 0 reads it from the tokenizer.
     args = module.ModelArgs.from_config(gguf.config, gguf.tensor("token_embd.weight").shape[0])
     model = load_stage_model(gguf, module, args, stages, rank, DTYPES[config.dtype], config.progress)
-    follower = Follower(model, stages, rank, config.rank_timeout_s)
+    follower = Follower(model, stages, rank, open_wire(stages, rank, config.rank_timeout_s))
     del model
     ready(rank)
     log.info("rank %d: serving layers %d-%d on %s", rank, stages[rank].layers.start, stages[rank].layers.stop - 1,

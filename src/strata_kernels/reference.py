@@ -448,11 +448,11 @@ def attention(q: torch.Tensor, store, start: int, window: int | None, scale: flo
     qf = q.float().reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
     # Only positions some query can see: the window of the first query on.
     first = 0 if window is None else max(0, start - window + 1)
-    q_pos = torch.arange(start, end, device=q.device).repeat(g)  # [G*T], matching qf's rows
     runs = list(slot_runs(first, end, store.capacity, chunk))
     if t == 1 and sum(n for _, _, n in runs) <= chunk:
         out = _one_query(qf, store, runs, scale).reshape(t, h, d)
         return out @ hadamard_matrix(d, out.device) if store.fmt == "k8v4" else out
+    q_pos = torch.arange(start, end, device=q.device).repeat(g)  # [G*T], matching qf's rows
     m = torch.full((hkv, g * t, 1), float("-inf"), device=q.device)
     l = torch.zeros((hkv, g * t, 1), device=q.device)
     acc = torch.zeros((hkv, g * t, d), device=q.device)

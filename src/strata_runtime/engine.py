@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .conversation_cache import ConversationCache, Restored
@@ -18,7 +17,7 @@ from .errors import ContextLengthError, StrataError
 from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache
-from .models import model_module
+from .models import build_model, model_module
 from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split, tensor_device
 from .memory import MiB, HostMemory
 from .sampling import Sampler, SamplingParams
@@ -128,15 +127,14 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
     """
     config = EngineConfig.from_options(options)
     device = torch.device(config.device)
+    if config.distributed:  # each rank checks its own device: the others may be on other hosts
+        return _load_rank0(path, config, memory)
     for name in config.devices or (config.device,):
-        if torch.device(name).type == "cuda" and not torch.cuda.is_available():
-            raise StrataError(f"device={name!r} was asked for but torch sees no CUDA device; use device='cpu'")
+        check_device(name)
     if path is None:
         path = default_model_path(config.cache_dir, progress=config.progress)
     gguf = GGUFFile.open(path)
     module = model_module(gguf.architecture, gguf.path)
-    if config.distributed:
-        return _load_rank0(gguf, module, config, memory)
     stages = None
     if config.devices is not None:
         # Checked from metadata alone: a bad split fails before any weight is read.
@@ -144,34 +142,26 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
         stages = plan_split(gguf, list(config.devices), config.layer_split, context, config.kv, memory=memory)
     tokenizer = Tokenizer.from_gguf(gguf)
     args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
-    names = gguf.tensor_names()
-    with tqdm(total=len(names), desc=f"loading {gguf.path.name}", unit="tensor", disable=not config.progress) as bar:
-
-        def weights(name: str):
-            bar.update(1)
-            return gguf.tensor(name).to(device if stages is None else tensor_device(name, stages))
-
-        with torch.inference_mode():
-            model = module.Model(args, weights, DTYPES[config.dtype])
-            model = model.to(device) if stages is None else Pipeline(model, stages)
+    place = (lambda name: device) if stages is None else (lambda name: tensor_device(name, stages))
+    model = build_model(gguf, module, args, DTYPES[config.dtype], place, config.progress, f"loading {gguf.path.name}")
+    with torch.inference_mode():
+        model = model.to(device) if stages is None else Pipeline(model, stages)
     return Engine(gguf, model, tokenizer, config, memory)
 
 
-def _load_rank0(gguf: GGUFFile, module, config: EngineConfig, memory: HostMemory | None) -> "Engine":
-    """Rank 0 of a split across processes: join the job, plan (with every
-    rank), load the first stage, and drive the others."""
-    from .ranks import RankPipeline, join, load_stage_model, open_wire, plan_ranks, ready
+def check_device(name: str) -> None:
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        raise StrataError(f"device={name!r} was asked for but torch sees no CUDA device; use device='cpu'")
 
-    rank, world = join()
-    if rank != 0:
-        raise StrataError(f"load(distributed=True) runs on rank 0; rank {rank} runs strata_runtime.ranks.follow()")
-    stages = plan_ranks(gguf, config, rank, world, memory)
-    tokenizer = Tokenizer.from_gguf(gguf)
-    args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
-    model = load_stage_model(gguf, module, args, stages, 0, DTYPES[config.dtype], config.progress)
-    pipeline = RankPipeline(model, stages, open_wire(stages, 0, config.rank_timeout_s))
+
+def _load_rank0(path, config: EngineConfig, memory: HostMemory | None) -> "Engine":
+    """Rank 0 of a split across processes: its stage, driving the others."""
+    from .ranks import RankPipeline, join_stage, ready
+
+    stage = join_stage(path, config, memory, rank0=True)
+    pipeline = RankPipeline(stage.model, stage.stages, stage.wire)
     ready(0)
-    return Engine(gguf, pipeline, tokenizer, config, memory)
+    return Engine(stage.gguf, pipeline, Tokenizer.from_gguf(stage.gguf), config, memory)
 
 
 class Engine:

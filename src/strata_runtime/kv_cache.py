@@ -58,6 +58,7 @@ class KVCache:
         # layers are on the meta device (shapes only) and their parts of a
         # snapshot are copied through this link (``ranks.RankPipeline``).
         self.remote = None
+        self.remote_id: int | None = None  # this cache's id on the other ranks
 
     # --- writing and reading ----------------------------------------------
 

@@ -184,8 +184,6 @@ def free_device_bytes(devices: list[str], memory: HostMemory) -> list[int]:
 def _auto_boundaries(mb: _ModelBytes, devices: list[str], reserve: int, free: list[int]) -> list[int]:
     """Cut where each stage's share of the weights matches its share of the free memory."""
     n, k = len(mb.per_layer), len(devices)
-    if k == 1:
-        return []
     if k > n:
         raise SplitError(f"{k} devices but the model has only {n} layers; give at most {n} devices")
     room = [max(0, f - reserve) for f in free]

@@ -44,12 +44,12 @@ import logging
 import os
 import socket
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
 
 from strata_kernels import KVStore
 
@@ -144,23 +144,43 @@ def tensor_owners(name: str, stages: list[StagePlan], tied_head: bool) -> set[in
     return {last}
 
 
-def load_stage_model(gguf: GGUFFile, module, args, stages: list[StagePlan], rank: int, dtype: torch.dtype,
-                     progress: bool) -> nn.Module:
-    """The plain model with this rank's tensors loaded on its device and every
-    other tensor on the meta device (no bytes)."""
-    names = gguf.tensor_names()
-    tied = "output.weight" not in names
+@dataclass
+class JoinedStage:
+    """This rank's part of the job: the file, the plan (the same on every
+    rank), the plain model with only this rank's tensors loaded, the wire."""
+
+    rank: int
+    gguf: GGUFFile
+    stages: list[StagePlan]
+    model: nn.Module
+    wire: "_Wire"
+
+
+def join_stage(path, config, memory: HostMemory | None = None, rank0: bool = False) -> JoinedStage:
+    """What every rank does to start, in the same order (the collectives in
+    it must match): join, plan, load this rank's tensors (every other tensor
+    stays on the meta device: no bytes), open the wire."""
+    from .default_model import default_model_path
+    from .engine import DTYPES, check_device
+    from .models import build_model, model_module
+
+    rank, world = join()
+    if rank0 and rank != 0:
+        raise StrataError(f"load(distributed=True) runs on rank 0; rank {rank} runs strata_runtime.ranks.follow()")
+    if not rank0 and rank == 0:
+        raise StrataError("follow() runs the ranks other than 0; rank 0 calls load(..., distributed=True)")
+    gguf = GGUFFile.open(path if path is not None else default_model_path(config.cache_dir, progress=config.progress))
+    module = model_module(gguf.architecture, gguf.path)
+    stages = plan_ranks(gguf, config, rank, world, memory)
     device = torch.device(stages[rank].device)
-    with tqdm(total=len(names), desc=f"loading {gguf.path.name} (rank {rank})", unit="tensor",
-              disable=not progress) as bar:
-
-        def weights(name: str):
-            bar.update(1)
-            mine = rank in tensor_owners(name, stages, tied)
-            return gguf.tensor(name).to(device if mine else "meta")
-
-        with torch.inference_mode():
-            return module.Model(args, weights, dtype)
+    check_device(str(device))
+    tied = "output.weight" not in gguf.tensor_names()
+    # The vocabulary size shapes the token table; read it from the table itself.
+    args = module.ModelArgs.from_config(gguf.config, gguf.tensor("token_embd.weight").shape[0])
+    model = build_model(gguf, module, args, DTYPES[config.dtype],
+                        lambda name: device if rank in tensor_owners(name, stages, tied) else "meta",
+                        config.progress, f"loading {gguf.path.name} (rank {rank})")
+    return JoinedStage(rank, gguf, stages, model, open_wire(stages, rank, config.rank_timeout_s))
 
 
 # --- the wire ---------------------------------------------------------------------
@@ -547,24 +567,15 @@ class Follower:
 def follow(path=None, **options: Any) -> int:
     """Run this rank's stage until rank 0 stops the job (0) or is lost (1).
     Options as ``load()``; every rank must be given the same ones."""
-    from .default_model import default_model_path
-    from .engine import DTYPES, EngineConfig
-    from .models import model_module
+    from .engine import EngineConfig
 
     config = EngineConfig.from_options({**options, "distributed": True})
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    rank, world = join()
-    if rank == 0:
-        raise StrataError("follow() runs the ranks other than 0; rank 0 calls load(..., distributed=True)")
-    gguf = GGUFFile.open(path if path is not None else default_model_path(config.cache_dir, progress=False))
-    module = model_module(gguf.architecture, gguf.path)
-    stages = plan_ranks(gguf, config, rank, world)
-    # The vocabulary size only shapes the token table; rank 0 reads it from the tokenizer.
-    args = module.ModelArgs.from_config(gguf.config, gguf.tensor("token_embd.weight").shape[0])
-    model = load_stage_model(gguf, module, args, stages, rank, DTYPES[config.dtype], config.progress)
-    follower = Follower(model, stages, rank, open_wire(stages, rank, config.rank_timeout_s))
-    del model
+    stage = join_stage(path, config)
+    rank, stages = stage.rank, stage.stages
+    follower = Follower(stage.model, stages, rank, stage.wire)
+    del stage  # the follower keeps only its layers (and, last, the norm and head)
     ready(rank)
     log.info("rank %d: serving layers %d-%d on %s", rank, stages[rank].layers.start, stages[rank].layers.stop - 1,
              stages[rank].device)

@@ -143,24 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options = _pick(args, ENGINE_OPTIONS)
-    if _ranks():
-        options["distributed"] = True  # torchrun started us: one stage per rank
-    return options
-
-
-def _ranks() -> bool:
     from strata_runtime.ranks import launched_with_ranks
 
-    return launched_with_ranks()
+    options = _pick(args, ENGINE_OPTIONS)
+    if launched_with_ranks():
+        options["distributed"] = True  # torchrun started us: one stage per rank
+    return options
 
 
 def _follow(args: argparse.Namespace) -> int:
     """Ranks other than 0 of a torchrun job: run this rank's layers until rank 0 stops."""
     from strata_runtime.ranks import follow
 
-    options = {k: v for k, v in _engine_options(args).items() if k != "distributed"}
-    return follow(args.model, cache_dir=os.environ.get("STRATA_CACHE_DIR"), **options)
+    return follow(args.model, cache_dir=os.environ.get("STRATA_CACHE_DIR"), **_engine_options(args))
 
 
 def _load(args: argparse.Namespace):
@@ -310,12 +305,6 @@ def _print_split(gguf, args: argparse.Namespace, context: int) -> None:
               + (f"  (+ {', '.join(extra)})" if extra else ""))
 
 
-def _rank() -> int:
-    from strata_runtime.ranks import this_rank
-
-    return this_rank()
-
-
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info}
 
 
@@ -325,9 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="strata: %(levelname)s %(name)s: %(message)s")
     from strata_runtime import StrataError
+    from strata_runtime.ranks import launched_with_ranks, this_rank
 
     try:
-        if args.command in ("generate", "chat", "serve") and _ranks() and _rank() != 0:
+        if args.command in ("generate", "chat", "serve") and launched_with_ranks() and this_rank() != 0:
             return _follow(args)
         return COMMANDS[args.command](args)
     except (StrataError, ValueError, TypeError) as e:

@@ -1,11 +1,18 @@
-"""CPU matmul choices for the fast path, on the default model's shapes.
+"""CPU matmul choices for the fast path, on the default model's own weights.
 
-    python bench/cpu_matmul.py [--threads 2]
+    python bench/cpu_matmul.py [--threads 2] [--rows 1,2,4,8,16,64,512]
 
-For each weight shape and activation rows M: float32 and bfloat16 dense
-``F.linear`` against the grouped int8 weight (``Int8Groups``) through torch's
-int8 kernel (one call per column group) and through a bf16 slab. The int8
-kernel wins only for small M; ``INT8_MATVEC_MAX_ROWS`` is where it stops.
+For each kind of weight (the output head, and each layer matrix taken from
+all 18 layers in turn, so that it is read from memory, as in a decode step,
+not from cache) and activation rows M, milliseconds per matmul of:
+
+- ``bf16 dense``: ``F.linear`` on a dense bfloat16 copy (the old fast path);
+- ``gemv``: the CPU kernel reading the GGUF blocks (M <= CPU_GEMV_MAX_M);
+- ``slab``: the kernel dequantizing slabs of rows to bfloat16 for torch's GEMM.
+
+The GEMV's GB/s (GGUF bytes read / time) is printed against this machine's
+read bandwidth, measured in the same run (summing a 400 MB float32 tensor).
+``CPU_GEMV_MAX_M`` is set from where ``slab`` overtakes ``gemv``.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from strata_runtime.layers import INT8_GROUP, INT8_MATVEC_MAX_ROWS, Int8Groups
+from strata_kernels import cpu_kernels, dequantize
+from strata_kernels.launch import CPU_GEMV_MAX_M
+from strata_runtime.default_model import default_model_path
+from strata_runtime.gguf_file import GGUFFile
 
-# (rows, columns) of the default model (Gemma 3 270M): head, gate/up, down, q, o.
-SHAPES = [(262144, 640), (2048, 640), (640, 2048), (1024, 640), (640, 1024)]
+KINDS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 
 
 def timed(fn, repeats: int) -> float:
@@ -31,35 +40,54 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
+def read_bandwidth_gbs() -> float:
+    big = torch.ones(100_000_000)
+    ms = timed(lambda: big.sum(), 5)
+    return big.numel() * 4 / ms / 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="1,4,8,16,64,512")
+    ap.add_argument("--rows", default="1,2,4,8,16,64,512")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"# {platform.machine()}, torch {torch.__version__}, {args.threads} threads, int8 group {INT8_GROUP}, "
-          f"int8 kernel used up to M={INT8_MATVEC_MAX_ROWS}; milliseconds per matmul")
-    print("| weight | M | float32 | bfloat16 | int8 kernel | int8 via bf16 slab | best |")
-    print("|---|---|---|---|---|---|---|")
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels did not build: {cpu_kernels.build_error()}")
+    gguf = GGUFFile.open(default_model_path())
+    bandwidth = read_bandwidth_gbs()
+    print(f"# {platform.machine()}, torch {torch.__version__}, {args.threads} threads; "
+          f"read bandwidth {bandwidth:.1f} GB/s; GEMV used up to M={CPU_GEMV_MAX_M}; ms per matmul")
+    print("| weight | type | M | bf16 dense | gemv | gemv GB/s (of bound) | slab | best |")
+    print("|---|---|---|---|---|---|---|---|")
+    groups = [("token_embd", [gguf.tensor("token_embd.weight")])]
+    groups += [(kind, [gguf.tensor(f"blk.{i}.{kind}.weight") for i in range(gguf.config.block_count)]) for kind in KINDS]
     g = torch.Generator().manual_seed(0)
-    for n, k in SHAPES:
-        dense = torch.randn(n, k, generator=g) * 0.02
-        w32, w16, w8 = dense, dense.bfloat16(), Int8Groups.from_dense(dense)
-        repeats = 5 if n > 100000 else 50
+    for kind, weights in groups:
+        dense = [dequantize(w, torch.bfloat16, backend="cpu") for w in weights]
+        nbytes = sum(w.nbytes for w in weights) / len(weights)
+        types = "/".join(sorted({w.qtype.name for w in weights}))
+        repeats = 3 if kind == "token_embd" else 5
         for m in map(int, args.rows.split(",")):
-            if n > 100000 and m > 64:
-                continue  # the head only ever sees the last position, except in logits()
-            x = torch.randn(m, k, generator=g)
-            xb = x.bfloat16()
-            times = {
-                "float32": timed(lambda: F.linear(x, w32), repeats),
-                "bfloat16": timed(lambda: F.linear(xb, w16), repeats),
-                "int8 kernel": timed(lambda: w8.int8_kernel_matmul(xb), repeats),
-                "int8 slab": timed(lambda: w8.slab_matmul(xb), repeats),
-            }
-            best = min(times, key=times.get)
-            print(f"| {n}x{k} | {m} | {times['float32']:.3f} | {times['bfloat16']:.3f} | "
-                  f"{times['int8 kernel']:.3f} | {times['int8 slab']:.3f} | {best} |")
+            if kind == "token_embd" and m > 64:
+                continue  # the head sees one position per step, all of them only in logits()
+            x = torch.randn(m, weights[0].cols, generator=g).bfloat16()
+
+            def each(fn):
+                return lambda: [fn(i) for i in range(len(weights))]
+
+            per = len(weights)
+            times = {"bf16 dense": timed(each(lambda i: F.linear(x, dense[i])), repeats) / per}
+            if m <= cpu_kernels.kernels().max_m:
+                times["gemv"] = timed(each(lambda i: cpu_kernels.gemv(x, weights[i])), repeats) / per
+            slab = torch.empty(weights[0].rows, weights[0].cols, dtype=torch.bfloat16)
+            times["slab"] = timed(each(lambda i: F.linear(x, cpu_kernels.dequantize_into(weights[i], slab))),
+                                  repeats) / per if kind != "token_embd" else float("nan")
+            gemv = times.get("gemv")
+            gbs = f"{nbytes / gemv / 1e6:.1f} ({nbytes / gemv / 1e6 / bandwidth:.0%})" if gemv else "-"
+            best = min((k for k in times if times[k] == times[k]), key=times.get)
+            print(f"| {kind} {weights[0].rows}x{weights[0].cols} | {types} | {m} | {times['bf16 dense']:.3f} | "
+                  f"{gemv if gemv else float('nan'):.3f} | {gbs} | {times['slab']:.3f} | {best} |")
 
 
 if __name__ == "__main__":

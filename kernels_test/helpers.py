@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
 from strata_kernels import QuantTensor, block_format
 
@@ -56,3 +57,25 @@ def report_mismatch(actual: torch.Tensor, expected: torch.Tensor, atol: float = 
         f"{int(bad.sum())} of {bad.numel()} elements differ; first at {idx}; "
         f"max abs diff {float(diff[bad].max()):.6g}"
     )
+
+
+def gguf_reference(qt: QuantTensor) -> torch.Tensor:
+    values = gguf_quants.dequantize(qt.data.numpy(), qt.qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(qt.shape)
+
+
+def assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert actual.dtype == torch.float32
+    # Bit equality (so -0.0 vs 0.0 would count), with NaN placement compared too.
+    same = actual.view(torch.int32) == expected.view(torch.int32)
+    assert bool(same.all()), report_mismatch(actual, expected)
+
+
+def matmul_tolerance(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Float32 accumulation error grows with K: bound it by K * eps * |x| @ |w|^T
+    (FlagGems scales atol with the reduction length the same way), plus the
+    rounding of the output to its dtype."""
+    k = x.shape[1]
+    magnitude = x.double().abs() @ w.double().abs().T
+    return 2.0 * k * 2.0**-24 * magnitude + torch.finfo(out_dtype).eps * magnitude + 1e-6

@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import quants as gguf_quants
-from helpers import random_quant_tensor, report_mismatch
+from helpers import assert_bit_exact, gguf_reference, random_quant_tensor
 
 from strata_kernels import SUPPORTED_TYPES, QuantTensor, dequantize, embedding_rows
 
 ALL_TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.value)
-
-
-def gguf_reference(qt: QuantTensor) -> torch.Tensor:
-    values = gguf_quants.dequantize(qt.data.numpy(), qt.qtype)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(qt.shape)
-
-
-def assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.shape == expected.shape
-    assert actual.dtype == torch.float32
-    # Bit equality (so -0.0 vs 0.0 would count), with NaN placement compared too.
-    same = actual.view(torch.int32) == expected.view(torch.int32)
-    assert bool(same.all()), report_mismatch(actual, expected)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from helpers import random_quant_tensor, report_mismatch
-from test_dequant import assert_bit_exact, gguf_reference
+from helpers import assert_bit_exact, gguf_reference, matmul_tolerance, random_quant_tensor, report_mismatch
 
 from strata_kernels import QuantTensor, block_format, dequantize, qmatmul
 from strata_kernels._triton_unpack import TRITON_TABLES
@@ -50,21 +49,12 @@ def test_triton_dequantize_casts(model_gguf):
     assert torch.equal(dequantize(part, torch.float16, backend="triton"), full.half())
 
 
-def _tolerance(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Float32 accumulation error grows with K: bound it by K * eps * |x| @ |w|^T
-    (FlagGems scales atol with the reduction length the same way), plus the
-    rounding of the output to its dtype."""
-    k = x.shape[1]
-    magnitude = x.double().abs() @ w.double().abs().T
-    return 2.0 * k * 2.0**-24 * magnitude + torch.finfo(out_dtype).eps * magnitude + 1e-6
-
-
 def _check_qmatmul(x: torch.Tensor, qt: QuantTensor, backend: str) -> None:
     w = dequantize(qt, backend="torch")
     expected = x.double() @ w.double().T
     actual = qmatmul(x, qt, backend=backend)
     assert actual.shape == (x.shape[0], qt.rows) and actual.dtype == x.dtype
-    tol = _tolerance(x, w, x.dtype)
+    tol = matmul_tolerance(x, w, x.dtype)
     bad = (actual.double() - expected).abs() > tol
     assert not bad.any(), report_mismatch(actual, expected.to(actual.dtype), atol=float(tol.max()))
 
@@ -132,6 +122,6 @@ def test_gpu_qmatmul_large(qtype, m, dtype):
     w = dequantize(qt, backend="torch")
     expected = x.double() @ w.double().T
     actual = qmatmul(x, qt)
-    tol = _tolerance(x, w, dtype) * (4 if dtype == torch.float32 else 1)
+    tol = matmul_tolerance(x, w, dtype) * (4 if dtype == torch.float32 else 1)
     bad = (actual.double() - expected).abs() > tol
     assert not bad.any(), report_mismatch(actual.cpu(), expected.cpu().to(actual.dtype))

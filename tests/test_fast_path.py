@@ -1,5 +1,6 @@
-"""The fast CPU path (``dtype="bfloat16"``: bfloat16 activations and
-weights, the output head as grouped int8) against the exact float32 path."""
+"""The fast CPU path (``dtype="bfloat16"``: bfloat16 activations, every
+weight kept as its GGUF blocks and read by the compiled CPU kernels) against
+the exact float32 path."""
 
 from __future__ import annotations
 
@@ -8,33 +9,13 @@ import torch
 from test_kv_cache import _kl_and_top1
 
 import strata_runtime
-from strata_runtime.layers import INT8_MATVEC_MAX_ROWS, Int8Groups
+from strata_kernels import cpu_kernels
+from strata_runtime.layers import Linear
 
 
 @pytest.fixture(scope="module")
 def fast(model_file):
     return strata_runtime.load(model_file, dtype="bfloat16", progress=False, context_length=512)
-
-
-def test_int8_groups_are_within_half_a_step_and_both_matmul_sides_agree():
-    g = torch.Generator().manual_seed(0)
-    dense = torch.randn(300, 96, generator=g)
-    dense[7] = 0.0
-    dense[9, :32] *= 50  # an outlier confined to its own group
-    w = Int8Groups.from_dense(dense, group=32)
-    assert len(w.codes) == 3 and all(c.is_contiguous() for c in w.codes)
-    step = torch.cat([s.float()[:, None].expand(-1, 32) for s in w.scales], dim=1)
-    err = (w.dense(dtype=torch.float32) - dense).abs()
-    # Half a step, plus the rounding of the bfloat16 scale near the top of the range.
-    assert bool((err <= step * 0.5 + dense.abs() * 2**-8).all()), float((err / step).max())
-    assert bool((w.dense(slice(7, 8)) == 0).all())
-    assert float(err[9, 32:].max()) < 0.05  # the outlier did not coarsen the rest of its row
-    for m in (1, INT8_MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS + 5):
-        x = torch.randn(m, 96, generator=g).bfloat16()
-        expected = x.double() @ w.dense().double().T
-        got = w.matmul(x).double()
-        # bfloat16 outputs: about 3 significant digits of the largest value.
-        assert float((got - expected).abs().max()) <= 1e-2 * float(expected.abs().max())
 
 
 def test_fast_path_stays_close_to_float32(engine, fast, reference_float32):
@@ -46,16 +27,23 @@ def test_fast_path_stays_close_to_float32(engine, fast, reference_float32):
         kls += kl * len(case["tokens"])
         agree += top1 * len(case["tokens"])
         n += len(case["tokens"])
-    print(f"bfloat16 + int8 weights vs float32 over {int(n)} positions: "
+    print(f"bfloat16 activations, GGUF-block weights vs float32 over {int(n)} positions: "
           f"top-1 agreement {agree / n:.1%}, mean KL {kls / n:.4f}")
     assert kls / n <= 0.03
     assert agree / n >= 0.95
 
 
+# Where two paths may part: float32's own top-2 logits closer than this. The
+# fast path's activations are bfloat16 (8 significant bits): a hidden value
+# of about 30 moves by up to 0.06 when rounded, so a gap under 0.05 between
+# two candidates is a tie that any other rounding could break either way.
+NEAR_TIE = 0.05
+
+
 def test_fast_path_greedy_tokens_equal_the_float32_path(engine, fast, reference_float32):
-    """The first 16 greedy tokens are identical for at least 4 of the 5
-    reference prompts (the bar the float32 path meets against its reference);
-    where they part, the exact path itself was at a near tie."""
+    """For every reference prompt the first 16 greedy tokens are identical,
+    or identical up to a position where the exact path itself is at a near
+    tie (and then, of course, the continuations differ)."""
     identical = 0
     for case in reference_float32["greedy"]:
         exact = engine.generate(case["prompt_tokens"], max_tokens=16, temperature=0).tokens
@@ -68,18 +56,31 @@ def test_fast_path_greedy_tokens_equal_the_float32_path(engine, fast, reference_
         top2 = logits.topk(2).values
         margin = float(top2[0] - top2[1])
         print(f"{case['prompt']!r}: parts at token {at}, where float32's top-2 margin is {margin:.3f}")
-        assert margin < 0.5, f"{case['prompt']!r} parted at token {at} with a clear float32 margin of {margin:.3f}"
+        assert margin < NEAR_TIE, f"{case['prompt']!r} parted at token {at} with a clear float32 margin of {margin:.3f}"
+        assert quick[at] in logits.topk(2).indices.tolist(), "the fast path chose a token outside the near tie"
     print(f"fast path: first 16 greedy tokens identical to float32 for {identical}/5 prompts")
-    assert identical >= 4
 
 
-def test_fast_path_keeps_the_head_in_int8_and_says_so(fast):
-    assert fast.model.embedding.out.int8 is not None and fast.model.embedding.out.weight is None
-    props = fast.props()
-    assert props["dtype"] == "bfloat16"
-    head = fast.model.embedding.out.int8
-    weights = head.rows * sum(c.shape[1] for c in head.codes)
-    stored = sum(c.numel() + 2 * s.numel() for c, s in zip(head.codes, head.scales))
-    assert stored < 0.26 * 4 * weights  # about a quarter of the float32 bytes
-    layer = fast.model.layers[0].mlp.up
-    assert layer.weight.dtype == torch.bfloat16 and layer.int8 is None
+def test_fast_path_keeps_every_weight_as_gguf_blocks(fast, model_gguf):
+    """No dense copy of any matrix: each Linear holds the file's blocks (the
+    same bytes), so the weights take what the GGUF file takes."""
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 7 * model_gguf.config.block_count + 1
+    assert all(m.weight is None and m.qweight is not None for m in linears)
+    head = fast.model.embedding.out.qweight
+    assert torch.equal(head.data[:4], model_gguf.tensor("token_embd.weight").data[:4])
+    assert sum(m.qweight.nbytes for m in linears) == sum(
+        model_gguf.tensor(n).nbytes for n in model_gguf.tensor_names() if model_gguf.tensor(n).qtype.name != "F32")
+    assert fast.props()["dtype"] == "bfloat16"
+    assert fast.props()["cpu_kernels"] == "built"
+
+
+def test_fast_path_falls_back_to_dense_bfloat16_for_a_type_the_kernels_do_not_read():
+    from gguf import GGMLQuantizationType as T
+
+    from strata_kernels import QuantTensor
+
+    iq = QuantTensor(torch.zeros(2, 136, dtype=torch.uint8), T.IQ4_XS, (2, 256))
+    assert not cpu_kernels.supports(iq)
+    layer = Linear(iq, torch.bfloat16)
+    assert layer.qweight is None and layer.weight.dtype == torch.bfloat16

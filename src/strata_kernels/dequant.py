@@ -28,10 +28,15 @@ def dequantize(qt: QuantTensor, dtype: torch.dtype = torch.float32, backend: str
         raise NotImplementedError(
             f"dequantizing {qt.qtype.name} is not supported; supported types: {supported}"
         )
-    if resolve_backend(qt.device, backend) == "triton":
+    chosen = resolve_backend(qt.device, backend)
+    if chosen == "triton":
         from ._triton_dequant import dequantize_triton
 
         return dequantize_triton(qt, dtype)
+    if chosen == "cpu":
+        from .cpu_kernels import dequantize_cpu
+
+        return dequantize_cpu(qt, dtype)
     fmt = block_format(qt.qtype)
     out = torch.empty((qt.rows, qt.cols), dtype=dtype, device=qt.device)
     chunk = max(1, _CHUNK_BYTES // max(1, qt.data.shape[1]))

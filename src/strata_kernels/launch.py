@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "cpu")
 
 # qmatmul: at most this many rows of x take the GEMV path (weights unpacked in
 # registers, products reduced per row); more take the GEMM path (dequantized
@@ -15,15 +15,34 @@ BACKENDS = ("auto", "triton", "torch")
 # M in {1, 8, 64, 512}; set this from its figures on the target GPU.
 GEMV_MAX_M = 8
 
+# qmatmul on the CPU kernels (backend="cpu"): at most this many rows of x go
+# through the GEMV that reads each block once; more take a bfloat16 (or
+# float32) copy of a slab of weight rows into torch's GEMM. Set from
+# bench/cpu_matmul.py on 2 cores (see the comment at its figures).
+CPU_GEMV_MAX_M = 8
+# Weight rows dequantized at a time on the CPU GEMM side (bounds the temporary:
+# 16384 rows of 640 bf16 values are 21 MB).
+CPU_SLAB_ROWS = 16384
+
 
 def resolve_backend(device: torch.device, backend: str) -> str:
     """``auto``: CUDA tensors go to Triton, CPU tensors to torch. ``triton`` on
     CPU tensors runs under the Triton interpreter, which must be switched on
-    before triton is first imported."""
+    before triton is first imported. ``cpu``: the compiled CPU kernels
+    (``cpu_kernels``), asked for explicitly because the first use compiles
+    them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend='cpu' runs on CPU tensors, not on {device.type}")
+        from . import cpu_kernels
+
+        if not cpu_kernels.available():
+            raise RuntimeError(f"the CPU kernels could not be built here ({cpu_kernels.build_error()}); "
+                               "install a C++ compiler and ninja, or use backend='torch'")
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "

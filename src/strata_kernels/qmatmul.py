@@ -25,8 +25,13 @@ def qmatmul(x: torch.Tensor, qt: QuantTensor, backend: str = "auto") -> torch.Te
         raise ValueError(f"x has K={x.shape[1]} columns but the weight {qt.shape} has K={qt.cols}")
     if x.device != qt.device:
         raise ValueError(f"x is on {x.device} but the weight is on {qt.device}; move one of them")
-    if resolve_backend(x.device, backend) == "triton":
+    chosen = resolve_backend(x.device, backend)
+    if chosen == "triton":
         from ._triton_qmatmul import qmatmul_triton
 
         return qmatmul_triton(x, qt)
+    if chosen == "cpu":
+        from .cpu_kernels import qmatmul_cpu
+
+        return qmatmul_cpu(x, qt)
     return x @ dequantize(qt, x.dtype, backend="torch").T

@@ -25,8 +25,9 @@ from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
 
-# float32: the exact path. bfloat16: the fast CPU path (bf16 weights, the
-# output head as grouped int8; its error against float32 is measured in tests).
+# float32: the exact path. bfloat16: the fast CPU path (bf16 activations,
+# weights kept as GGUF blocks for the compiled CPU kernels; its error against
+# float32 is measured in tests/test_fast_path.py).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -304,11 +305,22 @@ class Engine:
             "kv_bytes_per_token": self._cache.bytes_per_token(),
             "kv_bytes": self._cache.nbytes,
             "threads": torch.get_num_threads(),
+            "cpu_kernels": self._cpu_kernels_state(),
             "chat_template": None if self.chat_template is None else self.chat_template.origin,
             "settings": dataclasses.asdict(self.config),
         }
 
     # --- internals --------------------------------------------------------
+
+    def _cpu_kernels_state(self) -> str:
+        """Whether the bfloat16 CPU path reads GGUF blocks ("built"), fell back
+        to dense weights because the kernels could not be built (the reason),
+        or does not use them ("unused": float32, or a GPU)."""
+        if self.config.dtype != "bfloat16" or self.model.device.type != "cpu":
+            return "unused"
+        from strata_kernels import cpu_kernels
+
+        return "built" if cpu_kernels.available() else f"not built: {cpu_kernels.build_error()}"
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in tokens]

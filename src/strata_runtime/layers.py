@@ -7,150 +7,67 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata_kernels import QuantTensor, dequantize, embedding_rows, qmatmul
-
-
-def keeps_blocks(weight: QuantTensor) -> bool:
-    """Weights on a GPU stay as GGUF blocks and run through the Triton kernels;
-    on the CPU they are dequantized once, at load time. On the meta device
-    (a weight another process of a split holds) they stay a shape: no bytes."""
-    return weight.device.type in ("cuda", "meta")
+from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows, qmatmul
 
 
 def cpu_fast_path(weight: QuantTensor, dtype: torch.dtype) -> bool:
-    """bfloat16 on the CPU is the fast path: dense bfloat16 weights, and the
-    output head (most of a decode step's bytes) as grouped int8."""
+    """bfloat16 on the CPU is the fast path: GGUF blocks read by the compiled
+    CPU kernels (``strata_kernels.cpu_kernels``), activations in bfloat16."""
     return weight.device.type == "cpu" and dtype == torch.bfloat16
 
 
-# Up to this many rows of x, grouped int8 weights are multiplied as they are
-# (torch's int8-weight kernel, once per group); above it, a bf16 copy of a
-# slab of weight rows is made and fed to the bf16 GEMM. On the head, 2 cores:
-# 84 ms against 138 at M=16, 287 against 110 at M=64 (bench/cpu_matmul.py).
-INT8_MATVEC_MAX_ROWS = 24
-# Weight rows dequantized at a time on the GEMM side (bounds the temporary).
-DEQUANT_SLAB_ROWS = 16384
-# Columns sharing one int8 scale. Per-row scales (one group) cost Gemma 3
-# 270M KL 0.029 on the head alone; groups of 128 cost 0.011 with the rest in
-# bf16, and five int8 kernel calls still read the head in 13 ms against
-# 22 ms for bf16 on 2 cores (issue 8's note has the figures).
-INT8_GROUP = 128
-
-
-class Int8Groups(nn.Module):
-    """A weight ``[out, in]`` as int8 codes in column groups of ``INT8_GROUP``,
-    each group with one bfloat16 scale per row.
-
-    Invariant: ``codes[g][r] * scales[g][r]`` is row ``r`` of columns
-    ``g*group .. (g+1)*group-1`` to within half a step (``scale = max |x| /
-    127`` over those values; all-zero groups have scale 1). Each group's codes
-    are contiguous, as torch's int8 kernel wants.
-    """
-
-    def __init__(self, rows: int, cols: int, group: int = INT8_GROUP):
-        super().__init__()
-        self.group = group
-        self.rows = rows
-        widths = [min(group, cols - g0) for g0 in range(0, cols, group)]
-        self.codes = [torch.zeros(rows, w, dtype=torch.int8) for w in widths]
-        self.scales = [torch.ones(rows, dtype=torch.bfloat16) for _ in widths]
-
-    @classmethod
-    def from_dense(cls, dense: torch.Tensor, group: int = INT8_GROUP) -> "Int8Groups":
-        out = cls(dense.shape[0], dense.shape[1], group)
-        out._fill(0, dense.float())
-        return out
-
-    @classmethod
-    def from_blocks(cls, weight: QuantTensor, group: int = INT8_GROUP) -> "Int8Groups":
-        """Repack GGUF blocks a slab of rows at a time, so loading never holds
-        the whole table in float32 (671 MB for Gemma 3's head)."""
-        out = cls(weight.rows, weight.cols, group)
-        for r0 in range(0, weight.rows, DEQUANT_SLAB_ROWS):
-            part = QuantTensor(weight.data[r0:r0 + DEQUANT_SLAB_ROWS], weight.qtype,
-                               (min(DEQUANT_SLAB_ROWS, weight.rows - r0), weight.cols))
-            out._fill(r0, dequantize(part, torch.float32))
-        return out
-
-    def _fill(self, first_row: int, dense: torch.Tensor) -> None:
-        rows = slice(first_row, first_row + dense.shape[0])
-        for g, (codes, scales) in enumerate(zip(self.codes, self.scales)):
-            part = dense[:, g * self.group:(g + 1) * self.group]
-            scale = part.abs().amax(dim=1) / 127
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.bfloat16)
-            codes[rows] = torch.round(part / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-            scales[rows] = scale
-
-    def dense(self, rows: slice | torch.Tensor = slice(None), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The selected rows, dequantized."""
-        return torch.cat([c[rows].to(dtype) * s[rows, None].to(dtype) for c, s in zip(self.codes, self.scales)],
-                         dim=-1)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for bfloat16 ``x`` ``[M, in]``, by the faster side for M."""
-        return self.int8_kernel_matmul(x) if x.shape[0] <= INT8_MATVEC_MAX_ROWS else self.slab_matmul(x)
-
-    def int8_kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Torch's int8-weight kernel, once per column group, summed."""
-        out = None
-        for g, (c, s) in enumerate(zip(self.codes, self.scales)):
-            part = torch._weight_int8pack_mm(x[:, g * self.group:(g + 1) * self.group].contiguous(), c, s)
-            out = part if out is None else out.add_(part)
-        return out
-
-    def slab_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 GEMM over slabs of rows dequantized on the fly."""
-        slabs = [F.linear(x, self.dense(slice(r, r + DEQUANT_SLAB_ROWS)))
-                 for r in range(0, self.rows, DEQUANT_SLAB_ROWS)]
-        return torch.cat(slabs, dim=-1)
+def keeps_blocks(weight: QuantTensor, dtype: torch.dtype) -> bool:
+    """Whether a layer keeps ``weight`` as its GGUF blocks instead of a dense
+    copy: on a GPU (the Triton kernels read them), on the meta device (a
+    weight another process of a split holds: it stays a shape, no bytes), and
+    on the CPU fast path when the CPU kernels read the type and could be built
+    (else that weight is dense bfloat16, and the build failure was logged)."""
+    if weight.device.type in ("cuda", "meta"):
+        return True
+    return cpu_fast_path(weight, dtype) and cpu_kernels.supports(weight) and cpu_kernels.available()
 
 
 class Linear(nn.Module):
     """``y = x @ W.T`` for a GGUF weight of logical shape ``[out, in]``.
 
-    Invariant: exactly one of ``qweight`` (the GGUF blocks, on a GPU, read by
-    ``qmatmul`` without a dense copy), ``int8`` (grouped int8, asked for by
-    the caller on the fast CPU path) and ``weight`` (the dequantization in
-    ``dtype`` on the CPU, exact for float32) is set.
+    Invariant: exactly one of ``qweight`` (the GGUF blocks, read by
+    ``qmatmul`` on ``backend`` without a dense copy) and ``weight`` (the
+    dequantization in ``dtype``, exact for float32) is set.
     """
 
-    def __init__(self, weight: QuantTensor, dtype: torch.dtype, int8: bool = False):
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
         super().__init__()
         self.qweight: QuantTensor | None = None
-        self.int8: Int8Groups | None = None
         self.weight = None
-        if keeps_blocks(weight):
+        if keeps_blocks(weight, dtype):
             self.qweight = weight
-        elif int8:
-            self.int8 = Int8Groups.from_blocks(weight)
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
+        # On the CPU, the kernel directly: qmatmul's checks held here once, and
+        # at decode sizes they would cost a tenth of the product.
+        self._matmul = cpu_kernels.qmatmul_cpu if weight.device.type == "cpu" else qmatmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight)
         flat = x.reshape(-1, x.shape[-1])
-        if self.int8 is not None:
-            return self.int8.matmul(flat).reshape(*x.shape[:-1], self.int8.rows)
-        return qmatmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows)
+        return self._matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows)
 
 
 class TiedEmbedding(nn.Module):
     """The token table, used both to embed tokens and, transposed, to score
-    them. Same storage rule as ``Linear``: GGUF blocks on a GPU (rows are
-    dequantized as they are looked up), grouped int8 on the fast CPU path,
-    the exact dense table otherwise."""
+    them. Same storage rule as ``Linear``: GGUF blocks where ``Linear`` keeps
+    them (rows are dequantized as they are looked up), the dense table
+    otherwise."""
 
     def __init__(self, weight: QuantTensor, dtype: torch.dtype):
         super().__init__()
-        self.out = Linear(weight, dtype, int8=cpu_fast_path(weight, dtype))
+        self.out = Linear(weight, dtype)
         self.dtype = dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.out.weight is not None:
             return self.out.weight[tokens]
-        if self.out.int8 is not None:
-            return self.out.int8.dense(tokens, self.dtype)
         return embedding_rows(self.out.qweight, tokens, self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""CPU kernels that read GGUF blocks directly (``csrc/gguf_cpu.cpp``).
+
+The C++ source is compiled on first use with the machine's compiler, through
+``torch.utils.cpp_extension`` (about 25 s on 2 cores, then cached by torch
+under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). It is
+built with ``-march=native``: it runs where it was built. Importing this
+module builds nothing; ``available()`` says whether the build worked, and why
+not when it did not, and callers fall back to the torch path then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from .launch import CPU_GEMV_MAX_M, CPU_SLAB_ROWS
+from .quant_tensor import QuantTensor
+
+log = logging.getLogger(__name__)
+
+# The types gguf_cpu.cpp decodes.
+CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+
+_SOURCE = Path(__file__).parent / "csrc" / "gguf_cpu.cpp"
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    # -ffp-contract=off: dequantize must round exactly as gguf-py does (no
+    # fused multiply-adds unless the source asks for one).
+    return load(name="strata_gguf_cpu", sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def kernels():
+    """The compiled module, building it on first call; None if it cannot be
+    built here (the reason is logged once and kept in ``build_error()``)."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                _module = _build()
+            except Exception as exc:  # a missing compiler, ninja, or headers
+                _error = f"{type(exc).__name__}: {exc}".strip()
+                log.warning("CPU GGUF kernels could not be built, using the torch path instead: %s", _error)
+    return _module
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+def build_error() -> str | None:
+    kernels()
+    return _error
+
+
+def supports(qt: QuantTensor) -> bool:
+    """Whether ``qt`` can be read by these kernels (not whether they built)."""
+    return qt.device.type == "cpu" and qt.qtype in CPU_KERNEL_TYPES and len(qt.shape) == 2
+
+
+def check_supported(qt: QuantTensor) -> None:
+    if qt.qtype not in CPU_KERNEL_TYPES:
+        names = ", ".join(sorted(t.name for t in CPU_KERNEL_TYPES))
+        raise NotImplementedError(f"the CPU kernels read {names}, not {qt.qtype.name}; use backend='torch'")
+
+
+def gemv(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    """``x @ W.T`` for float32 or bfloat16 ``x`` ``[M, K]``, ``M <= 8``,
+    reading each block of ``qt`` once; ``[M, N]`` in x's dtype (accumulated
+    in float32)."""
+    return kernels().gemv(x, qt.data, int(qt.qtype), qt.cols)
+
+
+def dequantize_into(qt: QuantTensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the dense 2-D ``qt`` into ``out`` (float32 or bfloat16, ``[N, K]``).
+    float32 values equal ``gguf.quants.dequantize`` bit for bit."""
+    kernels().dequantize(qt.data, int(qt.qtype), qt.cols, out)
+    return out
+
+
+def dequantize_cpu(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    check_supported(qt)
+    kernel_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    out = torch.empty((qt.rows, qt.cols), dtype=kernel_dtype)
+    return dequantize_into(qt, out).to(dtype).reshape(qt.shape)
+
+
+def qmatmul_cpu(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    """``x @ W.T`` in ``x``'s dtype: the GEMV for up to ``CPU_GEMV_MAX_M`` rows,
+    else torch's GEMM over slabs of weight rows dequantized in x's dtype
+    (float32 for float16 x), so no dense copy of the whole weight is made."""
+    check_supported(qt)
+    if x.shape[0] <= CPU_GEMV_MAX_M:
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return gemv(x, qt)
+        return gemv(x.float(), qt).to(x.dtype)
+    work = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    out = torch.empty((x.shape[0], qt.rows), dtype=work.dtype)
+    slab = torch.empty((min(CPU_SLAB_ROWS, qt.rows), qt.cols), dtype=work.dtype)
+    for r0 in range(0, qt.rows, CPU_SLAB_ROWS):
+        part = qt.row_slice(r0, min(qt.rows, r0 + CPU_SLAB_ROWS))
+        w = dequantize_into(part, slab[:part.rows])
+        torch.matmul(work, w.T, out=out[:, r0:r0 + part.rows])
+    return out.to(x.dtype)

@@ -1,0 +1,488 @@
+// CPU kernels that read GGUF weight blocks as they lie in the file.
+//
+//   gemv(x [M, K] float32|bfloat16, blocks [N, row_bytes] uint8, qtype, K) -> [M, N] in x's dtype
+//       y[m, n] = sum_k x[m, k] * w[n, k], M <= MAX_M, w never stored dense.
+//   dequantize(blocks [N, row_bytes] uint8, qtype, K, out [N, K] float32|bfloat16)
+//       out[n, k] = w[n, k], bit for bit what gguf-py computes (float32).
+//
+// Every supported type is decoded one block at a time into small integer
+// codes q and one (scale, minv) pair per 16 weights, so that
+//     w = scale * q - minv
+// with the same float32 operations, in the same order, as gguf-py's
+// dequantize (this file is compiled with -ffp-contract=off to keep it so).
+// The GEMV folds the offsets out of the inner loop: per 16 weights it adds
+// scale * sum(q * x) lane-wise and, when the type has minimums, subtracts
+// minv * sum(x) once, with sum(x) precomputed per 16 columns of x.
+//
+// Rows of the weight are split across torch's intra-op threads
+// (at::parallel_for), so torch.set_num_threads governs these kernels too.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kMaxM = 8;    // rows of x handled by one pass over the weight
+constexpr int kLanes = 16;  // weights per SIMD step
+constexpr int kPrefetchRows = 4;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// A block decoded: codes and one (scale, minv) per SG weights.
+template <int B, int SG>
+struct Decoded {
+  alignas(64) int8_t q[B];
+  float scale[B / SG];
+  float minv[B / SG];
+};
+
+// Types are structs with: B (weights per block), BYTES (bytes per block),
+// SG (weights sharing one scale), HAS_MIN (whether minv can be nonzero),
+// Block (their Decoded) and decode(block bytes, Block&).
+
+// The 32 codes of a 32-weight block: q[j] = low nibble of qs[j] (plus 16
+// if bit j of qh is set) - offset, q[16 + j] the same with the high nibble
+// and bit 16 + j. Written as two 16-byte stores, so that the 16-byte loads
+// that follow are forwarded from them (byte stores would stall those loads).
+inline void small_block_codes(const uint8_t* qs, uint32_t qh, int8_t offset, int8_t* q) {
+#if defined(__SSSE3__)
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  __m128i lo = _mm_and_si128(bytes, nibble);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  if (qh) {
+    // Byte j of each half takes byte j/8 of its 16 bits of qh, then tests bit j%8.
+    const __m128i spread = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i bit = _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1);
+    const __m128i sixteen = _mm_set1_epi8(16);
+    const __m128i lo_bits = _mm_shuffle_epi8(_mm_cvtsi32_si128(int(qh & 0xFFFF)), spread);
+    const __m128i hi_bits = _mm_shuffle_epi8(_mm_cvtsi32_si128(int(qh >> 16)), spread);
+    lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(lo_bits, bit), bit), sixteen));
+    hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hi_bits, bit), bit), sixteen));
+  }
+  const __m128i off = _mm_set1_epi8(offset);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_sub_epi8(lo, off));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_sub_epi8(hi, off));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = int8_t((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - offset;
+    q[j + 16] = int8_t((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - offset;
+  }
+#endif
+}
+
+struct Q4_0 {
+  static constexpr int B = 32, BYTES = 18, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* b, Block& o) {
+    small_block_codes(b + 2, 0, 8, o.q);
+    o.scale[0] = half_at(b);
+    o.minv[0] = 0.0f;
+  }
+};
+
+struct Q4_1 {
+  static constexpr int B = 32, BYTES = 20, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = true;
+  static void decode(const uint8_t* b, Block& o) {
+    small_block_codes(b + 4, 0, 0, o.q);
+    o.scale[0] = half_at(b);
+    o.minv[0] = -half_at(b + 2);  // d*q + m == d*q - (-m), exactly
+  }
+};
+
+struct Q5_0 {
+  static constexpr int B = 32, BYTES = 22, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* b, Block& o) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    small_block_codes(b + 6, qh, 16, o.q);
+    o.scale[0] = half_at(b);
+    o.minv[0] = 0.0f;
+  }
+};
+
+struct Q5_1 {
+  static constexpr int B = 32, BYTES = 24, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = true;
+  static void decode(const uint8_t* b, Block& o) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    small_block_codes(b + 8, qh, 0, o.q);
+    o.scale[0] = half_at(b);
+    o.minv[0] = -half_at(b + 2);
+  }
+};
+
+struct Q8_0 {
+  static constexpr int B = 32, BYTES = 34, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* b, Block& o) {
+    const float d = half_at(b);
+    std::memcpy(o.q, b + 2, 32);
+    o.scale[0] = d;
+    o.minv[0] = 0.0f;
+  }
+};
+
+// The 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K super-block.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+struct Q4_K {
+  static constexpr int B = 256, BYTES = 144, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = true;
+  static void decode(const uint8_t* b, Block& o) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qs = b + 16;
+    for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles, then high
+      for (int l = 0; l < 32; ++l) {
+        o.q[64 * c + l] = int8_t(qs[32 * c + l] & 0x0F);
+        o.q[64 * c + 32 + l] = int8_t(qs[32 * c + l] >> 4);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k_scale_min(scales, j, sc, m);
+      o.scale[j] = d * float(sc);
+      o.minv[j] = dmin * float(m);
+    }
+  }
+};
+
+struct Q5_K {
+  static constexpr int B = 256, BYTES = 176, SG = 32;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = true;
+  static void decode(const uint8_t* b, Block& o) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int c = 0; c < 4; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        o.q[64 * c + l] = int8_t((qs[32 * c + l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4));
+        o.q[64 * c + 32 + l] = int8_t((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k_scale_min(scales, j, sc, m);
+      o.scale[j] = d * float(sc);
+      o.minv[j] = dmin * float(m);
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int B = 256, BYTES = 210, SG = 16;
+  using Block = Decoded<B, SG>;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* b, Block& o) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int h = 0; h < 2; ++h) {  // two halves of 128 weights
+      const uint8_t* l4 = ql + 64 * h;
+      const uint8_t* h2 = qh + 32 * h;
+      int8_t* q = o.q + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        q[l] = int8_t((l4[l] & 0x0F) | ((h2[l] & 3) << 4)) - 32;
+        q[l + 32] = int8_t((l4[l + 32] & 0x0F) | (((h2[l] >> 2) & 3) << 4)) - 32;
+        q[l + 64] = int8_t((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
+        q[l + 96] = int8_t((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
+      }
+    }
+    for (int j = 0; j < 16; ++j) {
+      o.scale[j] = d * float(scales[j]);
+      o.minv[j] = 0.0f;
+    }
+  }
+};
+
+// Sixteen float lanes in the machine's SIMD: one AVX-512 register, two AVX2
+// registers, or a plain array the compiler may vectorize. (Compilers turn
+// int8 -> float vector conversions into 16 scalar ones unless told how.)
+#if defined(__AVX512F__)
+struct Lanes {
+  __m512 v;
+  static Lanes zero() { return {_mm512_setzero_ps()}; }
+  static Lanes codes(const int8_t* q) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))};
+  }
+  static Lanes load(const float* x) { return {_mm512_loadu_ps(x)}; }
+  // this + a * b
+  Lanes fma(Lanes a, Lanes b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }
+  // this + a * s
+  Lanes fma(Lanes a, float s) const { return {_mm512_fmadd_ps(a.v, _mm512_set1_ps(s), v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  __m256 lo, hi;
+  static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Lanes codes(const int8_t* q) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  }
+  static Lanes load(const float* x) { return {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)}; }
+  Lanes fma(Lanes a, Lanes b) const { return {_mm256_fmadd_ps(a.lo, b.lo, lo), _mm256_fmadd_ps(a.hi, b.hi, hi)}; }
+  Lanes fma(Lanes a, float s) const {
+    const __m256 sv = _mm256_set1_ps(s);
+    return {_mm256_fmadd_ps(a.lo, sv, lo), _mm256_fmadd_ps(a.hi, sv, hi)};
+  }
+  float sum() const {
+    const __m256 t = _mm256_add_ps(lo, hi);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    r = _mm_hadd_ps(r, r);
+    r = _mm_hadd_ps(r, r);
+    return _mm_cvtss_f32(r);
+  }
+};
+#else
+struct Lanes {
+  float v[16];
+  static Lanes zero() { return Lanes{}; }
+  static Lanes codes(const int8_t* q) {
+    Lanes o;
+    for (int i = 0; i < 16; ++i) o.v[i] = float(q[i]);
+    return o;
+  }
+  static Lanes load(const float* x) {
+    Lanes o;
+    std::memcpy(o.v, x, sizeof o.v);
+    return o;
+  }
+  Lanes fma(Lanes a, Lanes b) const {
+    Lanes o;
+    for (int i = 0; i < 16; ++i) o.v[i] = v[i] + a.v[i] * b.v[i];
+    return o;
+  }
+  Lanes fma(Lanes a, float s) const {
+    Lanes o;
+    for (int i = 0; i < 16; ++i) o.v[i] = v[i] + a.v[i] * s;
+    return o;
+  }
+  float sum() const {
+    float t = 0.0f;
+    for (int i = 0; i < 16; ++i) t += v[i];
+    return t;
+  }
+};
+#endif
+static_assert(kLanes == 16, "Lanes holds sixteen weights");
+
+// x: [M, K] float32; xsum: [M, K / T::SG] (sum of x over each scale group);
+// y: [M, N]. Per scale group: dot = sum(q * x) in lanes, then
+// acc += dot * scale; the minimums come off once per row.
+template <class T, int M>
+void gemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
+               float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int G = T::B / T::SG;
+  const int64_t blocks = K / T::B;
+  const int64_t groups = K / T::SG;
+  typename T::Block d;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    // Ask for a row a few rows ahead: the hardware prefetcher alone leaves
+    // these short rows latency-bound when the weight is not in cache.
+    if (n + kPrefetchRows < n1) {
+      const uint8_t* ahead = row + kPrefetchRows * row_bytes;
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off);
+    }
+    Lanes acc[M];
+    float acc_min[M];
+    for (int m = 0; m < M; ++m) {
+      acc[m] = Lanes::zero();
+      acc_min[m] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      T::decode(row + b * T::BYTES, d);
+      for (int g = 0; g < G; ++g) {
+        Lanes dot[M];
+        for (int m = 0; m < M; ++m) dot[m] = Lanes::zero();
+        for (int l = 0; l < T::SG; l += kLanes) {
+          const Lanes q = Lanes::codes(d.q + g * T::SG + l);
+          for (int m = 0; m < M; ++m) dot[m] = dot[m].fma(q, Lanes::load(x + m * K + b * T::B + g * T::SG + l));
+        }
+        for (int m = 0; m < M; ++m) {
+          acc[m] = acc[m].fma(dot[m], d.scale[g]);
+          if constexpr (T::HAS_MIN) acc_min[m] += d.minv[g] * xsum[m * groups + b * G + g];
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = acc[m].sum() - acc_min[m];
+  }
+}
+
+template <class T, int M>
+void gemv_typed(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum, float* y,
+                int64_t N) {
+  // About 32 KB of weight per task: small enough to spread even a 256-row
+  // matrix over the threads, large enough that scheduling is noise.
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, row_bytes));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    gemv_rows<T, M>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+  });
+}
+
+template <class T>
+void gemv_dispatch_m(int M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
+                     float* y, int64_t N) {
+  switch (M) {
+    case 1: return gemv_typed<T, 1>(w, row_bytes, K, x, xsum, y, N);
+    case 2: return gemv_typed<T, 2>(w, row_bytes, K, x, xsum, y, N);
+    case 3: return gemv_typed<T, 3>(w, row_bytes, K, x, xsum, y, N);
+    case 4: return gemv_typed<T, 4>(w, row_bytes, K, x, xsum, y, N);
+    case 5: return gemv_typed<T, 5>(w, row_bytes, K, x, xsum, y, N);
+    case 6: return gemv_typed<T, 6>(w, row_bytes, K, x, xsum, y, N);
+    case 7: return gemv_typed<T, 7>(w, row_bytes, K, x, xsum, y, N);
+    case 8: return gemv_typed<T, 8>(w, row_bytes, K, x, xsum, y, N);
+  }
+  TORCH_CHECK(false, "gemv takes 1 to ", kMaxM, " rows of x, got ", M);
+}
+
+template <class T, class Out>
+void dequantize_typed(const uint8_t* w, int64_t row_bytes, int64_t K, Out* out, int64_t N) {
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    typename T::Block d;
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t b = 0; b < K / T::B; ++b) {
+        T::decode(w + n * row_bytes + b * T::BYTES, d);
+        Out* o = out + n * K + b * T::B;
+        for (int g = 0; g < T::B / T::SG; ++g) {
+          for (int i = 0; i < T::SG; ++i) {
+            const float v = d.scale[g] * float(d.q[g * T::SG + i]) - d.minv[g];
+            o[g * T::SG + i] = static_cast<Out>(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// GGML type ids (gguf.GGMLQuantizationType).
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+template <class F>
+void with_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: return f(Q4_0{});
+    case kQ4_1: return f(Q4_1{});
+    case kQ5_0: return f(Q5_0{});
+    case kQ5_1: return f(Q5_1{});
+    case kQ8_0: return f(Q8_0{});
+    case kQ4_K: return f(Q4_K{});
+    case kQ5_K: return f(Q5_K{});
+    case kQ6_K: return f(Q6_K{});
+  }
+  TORCH_CHECK(false, "no CPU kernel for GGML type ", qtype);
+}
+
+template <class T>
+void check_blocks(const torch::Tensor& blocks, int64_t K) {
+  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2, "blocks must be 2-D uint8");
+  TORCH_CHECK(blocks.is_contiguous(), "blocks must be contiguous");
+  TORCH_CHECK(K % T::B == 0, "K=", K, " is not a multiple of the block size ", T::B);
+  TORCH_CHECK(blocks.size(1) == K / T::B * T::BYTES, "a row of blocks has ", blocks.size(1),
+              " bytes, K=", K, " needs ", K / T::B * T::BYTES);
+}
+
+// x [M, K] float32 or bfloat16 -> y [M, N] in x's dtype. The float32 copy of
+// x and its group sums are made here, in plain loops: at decode sizes the
+// dispatch of a few torch ops would cost as much as the product.
+torch::Tensor gemv(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with K=", K);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t M = x.size(0), N = blocks.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxM, "gemv takes 1 to ", kMaxM, " rows of x, got ", M);
+  x = x.contiguous();
+  std::vector<float> x32(M * K);
+  if (x.scalar_type() == torch::kFloat32) {
+    std::memcpy(x32.data(), x.data_ptr<float>(), M * K * sizeof(float));
+  } else {
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = float(xb[i]);
+  }
+  std::vector<float> y32(M * N);
+  with_type(qtype, [&](auto t) {
+    using T = decltype(t);
+    check_blocks<T>(blocks, K);
+    // sum(x) per scale group: the minimums' share of every dot product.
+    const int64_t groups = K / T::SG;
+    std::vector<float> xsum(M * groups, 0.0f);
+    for (int64_t i = 0; i < M * groups; ++i)
+      for (int l = 0; l < T::SG; ++l) xsum[i] += x32[i * T::SG + l];
+    gemv_dispatch_m<T>(int(M), blocks.data_ptr<uint8_t>(), blocks.size(1), K, x32.data(), xsum.data(),
+                       y32.data(), N);
+  });
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (x.scalar_type() == torch::kFloat32) {
+    std::memcpy(y.data_ptr<float>(), y32.data(), M * N * sizeof(float));
+  } else {
+    c10::BFloat16* yb = y.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) yb[i] = c10::BFloat16(y32[i]);
+  }
+  return y;
+}
+
+void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor out) {
+  const int64_t N = blocks.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "out must be a contiguous [N, K] tensor");
+  with_type(qtype, [&](auto t) {
+    using T = decltype(t);
+    check_blocks<T>(blocks, K);
+    if (out.scalar_type() == torch::kFloat32) {
+      dequantize_typed<T>(blocks.data_ptr<uint8_t>(), blocks.size(1), K, out.data_ptr<float>(), N);
+    } else if (out.scalar_type() == torch::kBFloat16) {
+      dequantize_typed<T>(blocks.data_ptr<uint8_t>(), blocks.size(1), K, out.data_ptr<c10::BFloat16>(), N);
+    } else {
+      TORCH_CHECK(false, "out must be float32 or bfloat16, got ", out.scalar_type());
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "x @ W.T for GGUF blocks W and 1..8 rows of x");
+  m.def("dequantize", &dequantize, "GGUF blocks into a dense float32 or bfloat16 tensor");
+  m.attr("max_m") = kMaxM;
+}

@@ -449,7 +449,11 @@ def attention(q: torch.Tensor, store, start: int, window: int | None, scale: flo
     # Only positions some query can see: the window of the first query on.
     first = 0 if window is None else max(0, start - window + 1)
     runs = list(slot_runs(first, end, store.capacity, chunk))
-    if t == 1 and sum(n for _, _, n in runs) <= chunk:
+    # One query sees every position from ``first`` on: no mask. Float32
+    # storage is read in place, so any number of runs is safe then; other
+    # formats are dequantized run by run, so only up to one chunk in all.
+    in_place = store.fmt == "f16" and store.k.dtype == torch.float32
+    if t == 1 and (in_place or sum(n for _, _, n in runs) <= chunk):
         out = _one_query(qf, store, runs, scale).reshape(t, h, d)
         return out @ hadamard_matrix(d, out.device) if store.fmt == "k8v4" else out
     q_pos = torch.arange(start, end, device=q.device).repeat(g)  # [G*T], matching qf's rows
@@ -478,10 +482,10 @@ def attention(q: torch.Tensor, store, start: int, window: int | None, scale: flo
 
 
 def _one_query(qf: torch.Tensor, store, runs, scale: float) -> torch.Tensor:
-    """Decode's common case: one query whose visible positions (every one
-    from the window's start on: no mask) fit one chunk, in at most two ring
-    runs. One softmax over the runs' scores, no online rescaling: a decode
-    step's attention in a third of the operations."""
+    """Decode's common case: one query, whose visible positions are every one
+    from the window's start on (no mask), in a few ring runs that are read in
+    place or fit one chunk together. One softmax over the runs' scores, no
+    online rescaling: a decode step's attention in a third of the operations."""
     parts = [kv_dequantize(store, slice(slot, slot + n)) for _, slot, n in runs]
     scores = torch.cat([torch.matmul(qf, k.permute(1, 2, 0)) for k, _ in parts], -1) * scale  # [Hkv, G, n]
     p = torch.exp(scores - scores.amax(-1, keepdim=True))

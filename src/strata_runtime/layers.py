@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows, qmatmul
+from strata_kernels.launch import CPU_GEMV_MAX_M
 
 
 def cpu_fast_path(weight: QuantTensor, dtype: torch.dtype) -> bool:
@@ -71,7 +72,12 @@ class TiedEmbedding(nn.Module):
         return embedding_rows(self.out.qweight, tokens, self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(x)
+        """Float32 scores. A decode step's few rows go in as float32 too (the
+        CPU GEMV accumulates in float32 either way), so the logits are not
+        rounded to bfloat16 (a step of 0.125 at 20) before sampling."""
+        if self.out.qweight is not None and x.shape[0] <= CPU_GEMV_MAX_M:
+            return self.out(x.float())
+        return self.out(x).float()
 
 
 class RMSNorm(nn.Module):
@@ -84,9 +90,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).to(x.dtype)
+        # torch's fused kernel: at decode sizes, one op instead of five.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, base: float, linear_scale: float = 1.0) -> torch.Tensor:
@@ -100,6 +105,25 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
     freqs = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)
     return angles.cos()[:, None, :].to(dtype), angles.sin()[:, None, :].to(dtype)
+
+
+class RopeCache:
+    """The cos/sin tables of the latest step, shared by every layer with the
+    same inverse frequencies, so a step computes them once, not per layer.
+
+    Invariant: ``positions`` are consecutive (a step's ``start..start+T-1``),
+    so ``(start, T, dtype, device)`` names the tables; ``latest`` holds that
+    key and its tables.
+    """
+
+    def __init__(self):
+        self.latest = None
+
+    def tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        key = (int(positions[0]), positions.shape[0], dtype, inv_freq.device)
+        if self.latest is None or self.latest[0] != key:
+            self.latest = (key, rope_tables(positions, inv_freq, dtype))
+        return self.latest[1]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -376,21 +376,36 @@ void gemv_dispatch_m(int M, const uint8_t* w, int64_t row_bytes, int64_t K, cons
   TORCH_CHECK(false, "gemv takes 1 to ", kMaxM, " rows of x, got ", M);
 }
 
+// float -> bfloat16 bits, rounding to nearest even as torch does (NaN stays
+// a quiet NaN). Plain integer arithmetic, so loops over it vectorize.
+inline uint16_t bf16_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return v != v ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+inline void store(float* o, const float* v, int n) { std::memcpy(o, v, n * sizeof(float)); }
+inline void store(c10::BFloat16* o, const float* v, int n) {
+  uint16_t bits[256];
+  for (int i = 0; i < n; ++i) bits[i] = bf16_bits(v[i]);
+  std::memcpy(o, bits, n * sizeof(uint16_t));
+}
+
 template <class T, class Out>
 void dequantize_typed(const uint8_t* w, int64_t row_bytes, int64_t K, Out* out, int64_t N) {
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     typename T::Block d;
+    alignas(64) float values[T::B];
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t b = 0; b < K / T::B; ++b) {
         T::decode(w + n * row_bytes + b * T::BYTES, d);
-        Out* o = out + n * K + b * T::B;
         for (int g = 0; g < T::B / T::SG; ++g) {
-          for (int i = 0; i < T::SG; ++i) {
-            const float v = d.scale[g] * float(d.q[g * T::SG + i]) - d.minv[g];
-            o[g * T::SG + i] = static_cast<Out>(v);
-          }
+          const float scale = d.scale[g], minv = d.minv[g];
+          for (int i = 0; i < T::SG; ++i) values[g * T::SG + i] = scale * float(d.q[g * T::SG + i]) - minv;
         }
+        store(out + n * K + b * T::B, values, T::B);
       }
     }
   });

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import (Linear, RMSNorm, TiedEmbedding, apply_rope, gelu_tanh, rope_inverse_frequencies,
-                      rope_tables)
+from ..layers import (Linear, RMSNorm, RopeCache, TiedEmbedding, apply_rope, gelu_tanh,
+                      rope_inverse_frequencies)
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,12 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache):
         super().__init__()
         p = f"blk.{layer}."
         self.layer = layer
         self.args = args
+        self.rope = rope
         self.q_proj = Linear(w(p + "attn_q.weight"), dtype)
         self.k_proj = Linear(w(p + "attn_k.weight"), dtype)
         self.v_proj = Linear(w(p + "attn_v.weight"), dtype)
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(t, a.n_heads, a.head_dim))
         k = self.k_norm(self.k_proj(x).view(t, a.n_kv_heads, a.head_dim))
         v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
-        cos, sin = rope_tables(positions, self.inv_freq, q.dtype)
+        cos, sin = self.rope.tables(positions, self.inv_freq, q.dtype)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         start = int(positions[0])
@@ -114,11 +115,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache):
         super().__init__()
         p = f"blk.{layer}."
         self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps)
-        self.attn = Attention(args, layer, w, dtype)
+        self.attn = Attention(args, layer, w, dtype, rope)
         self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps)
         self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps)
         self.mlp = MLP(layer, w, dtype)
@@ -139,7 +140,10 @@ class Model(nn.Module):
         self.args = args
         self.embedding = TiedEmbedding(weights("token_embd.weight"), dtype)
         self.register_buffer("embed_scale", torch.tensor(math.sqrt(args.hidden_size), dtype=dtype), persistent=False)
-        self.layers = nn.ModuleList(Block(args, i, weights, dtype) for i in range(args.n_layers))
+        # One table cache for the sliding layers, one for the global ones.
+        ropes = {True: RopeCache(), False: RopeCache()}
+        self.layers = nn.ModuleList(Block(args, i, weights, dtype, ropes[args.is_sliding(i)])
+                                    for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:

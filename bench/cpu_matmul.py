@@ -78,7 +78,7 @@ def main() -> None:
 
             per = len(weights)
             times = {"bf16 dense": timed(each(lambda i: F.linear(x, dense[i])), repeats) / per}
-            if m <= cpu_kernels.kernels().max_m:
+            if m <= CPU_GEMV_MAX_M:
                 times["gemv"] = timed(each(lambda i: cpu_kernels.gemv(x, weights[i])), repeats) / per
             slab = torch.empty(weights[0].rows, weights[0].cols, dtype=torch.bfloat16)
             times["slab"] = timed(each(lambda i: F.linear(x, cpu_kernels.dequantize_into(weights[i], slab))),

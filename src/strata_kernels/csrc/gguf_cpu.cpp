@@ -148,14 +148,17 @@ struct Q8_0 {
   }
 };
 
-// The 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K super-block.
-inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// The eight (scale, min) pairs of a Q4_K/Q5_K super-block, from its header
+// (d, dmin as float16, then 12 bytes of 6-bit scales and minimums).
+template <class Block>
+inline void k_scales_mins(const uint8_t* b, Block& o) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    o.scale[j] = d * float(sc);
+    o.minv[j] = dmin * float(m);
   }
 }
 
@@ -164,8 +167,6 @@ struct Q4_K {
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = true;
   static void decode(const uint8_t* b, Block& o) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
     const uint8_t* qs = b + 16;
     for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles, then high
       for (int l = 0; l < 32; ++l) {
@@ -173,12 +174,7 @@ struct Q4_K {
         o.q[64 * c + 32 + l] = int8_t(qs[32 * c + l] >> 4);
       }
     }
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      k_scale_min(scales, j, sc, m);
-      o.scale[j] = d * float(sc);
-      o.minv[j] = dmin * float(m);
-    }
+    k_scales_mins(b, o);
   }
 };
 
@@ -187,8 +183,6 @@ struct Q5_K {
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = true;
   static void decode(const uint8_t* b, Block& o) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48;
     for (int c = 0; c < 4; ++c) {
@@ -197,12 +191,7 @@ struct Q5_K {
         o.q[64 * c + 32 + l] = int8_t((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
       }
     }
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      k_scale_min(scales, j, sc, m);
-      o.scale[j] = d * float(sc);
-      o.minv[j] = dmin * float(m);
-    }
+    k_scales_mins(b, o);
   }
 };
 

@@ -153,7 +153,7 @@ class Model(nn.Module):
         cache.advance(tokens.shape[0])
         if last_only:
             x = x[-1:]
-        return self.embedding.logits(self.norm(x)).float()
+        return self.embedding.logits(self.norm(x))
 
     @property
     def device(self) -> torch.device:

@@ -1,7 +1,7 @@
 """The compiled CPU kernels (``backend="cpu"``): dequantize bit-exact against
 gguf-py, qmatmul against float64, for every type they read.
 
-The first test to run compiles ``csrc/gguf_cpu.cpp`` (about 30 s on 2 cores;
+The first test to run compiles ``csrc/`` (about 50 s on 2 cores;
 torch caches the build afterwards). A machine without a C++ compiler fails
 here, loudly: the fast CPU path would silently fall back to dense weights.
 """
@@ -123,7 +123,7 @@ def test_bad_input_is_clear():
     with pytest.raises(RuntimeError, match=f"gemv takes 1 to {CPU_GEMV_MAX_M} rows"):
         cpu_kernels.gemv(torch.randn(CPU_GEMV_MAX_M + 1, 64), qt)
     with pytest.raises(RuntimeError, match="a row of blocks has 68 bytes, K=32 needs 34"):
-        cpu_kernels.kernels().gemv(torch.randn(1, 32), qt.data, int(T.Q8_0), 32)
+        cpu_kernels.kernels().gemv(torch.randn(1, 32), [qt.data], [int(T.Q8_0)], 32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to show that backend='cpu' refuses it")
@@ -132,3 +132,71 @@ def test_cpu_backend_refuses_cuda_tensors():
     qt = random_quant_tensor(T.Q8_0, 4, 2, 0).to("cuda")
     with pytest.raises(ValueError, match="backend='cpu' runs on CPU tensors"):
         qmatmul(torch.randn(1, 64, device="cuda"), qt, backend="cpu")
+
+
+# --- several weights in one call ------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 4, CPU_GEMV_MAX_M])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemv_many_equals_one_weight_at_a_time(m, dtype):
+    """q/k/v or gate/up in one call: the same rows, bit for bit, as one call
+    each, whatever the mix of types and row counts."""
+    weights = [random_quant_tensor(T.Q5_0, 37, 8, 1), random_quant_tensor(T.Q4_K, 5, 1, 2),
+               random_quant_tensor(T.Q6_K, 64, 1, 3), random_quant_tensor(T.Q8_0, 300, 8, 4)]
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+    together = cpu_kernels.gemv_many(x, weights)
+    assert len(together) == len(weights)
+    for y, w in zip(together, weights):
+        assert y.shape == (m, w.rows) and y.dtype == dtype
+        assert torch.equal(y, cpu_kernels.gemv(x, w))
+
+
+# --- the small ops of a decode step -----------------------------------------------
+
+def _norm_float64(x, weight, eps, residual=None, rope=None):
+    y = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    if rope is not None:
+        cos, sin = (t.double() for t in rope)
+        half = y.shape[-1] // 2
+        y = y * cos + torch.cat([-y[..., half:], y[..., :half]], -1) * sin
+    return y if residual is None else residual.double() + y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# The rotary embedding applies to [T, H, D] (queries and keys); D=100 has a tail past the SIMD lanes.
+@pytest.mark.parametrize("shape,with_rope", [((1, 640), False), ((3, 4, 256), False), ((3, 4, 256), True),
+                                             ((5, 2, 100), False), ((5, 2, 100), True)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_rope_residual_match_float64(dtype, shape, with_rope, with_residual):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    weight = torch.rand(shape[-1], generator=g) + 0.5
+    residual = torch.randn(shape, generator=g).to(dtype) if with_residual else None
+    rope = None
+    if with_rope:
+        angles = torch.rand(shape[0], 1, shape[-1] // 2, generator=g) * 6
+        angles = torch.cat([angles, angles], -1)
+        rope = (angles.cos(), angles.sin())
+    actual = cpu_kernels.rms_norm(x, weight, 1e-6, residual, rope)
+    expected = _norm_float64(x, weight, 1e-6, residual, rope)
+    assert actual.shape == x.shape and actual.dtype == dtype
+    # Float32 inside, rounded once: within float32 noise, or half a bfloat16 step.
+    rtol = 1e-5 if dtype == torch.float32 else 2.0**-8
+    assert torch.allclose(actual.double(), expected, rtol=rtol, atol=1e-5), \
+        report_mismatch(actual.float(), expected.float(), atol=1e-5)
+
+
+def test_decode_ops_bad_input_is_clear():
+    x = torch.randn(2, 4, 64)
+    with pytest.raises(RuntimeError, match=r"weight must be float32 \[64\]"):
+        cpu_kernels.rms_norm(x, torch.ones(64, dtype=torch.float64), 1e-6)
+    with pytest.raises(RuntimeError, match="residual must be contiguous, with x's shape and dtype"):
+        cpu_kernels.rms_norm(x, torch.ones(64), 1e-6, residual=torch.zeros(2, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 \[T, 1, D\]"):
+        cpu_kernels.rms_norm(x, torch.ones(64), 1e-6, rope=(torch.ones(3, 1, 64), torch.ones(3, 1, 64)))
+    k = torch.zeros(10, 1, 40)
+    with pytest.raises(RuntimeError, match="head dim 40 is not a multiple of 16"):
+        cpu_kernels.attention_decode(torch.zeros(2, 40), k, k, [(0, 3)], 1.0)
+    k = torch.zeros(10, 1, 64)
+    with pytest.raises(RuntimeError, match=r"run \(8, 3\) is outside 10 slots"):
+        cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, [(8, 3)], 1.0)

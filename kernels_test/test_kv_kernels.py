@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import report_mismatch
 
-from strata_kernels import KVStore, attention, kv_read, kv_write
+from strata_kernels import KVStore, attention, kv_read, kv_write, kv_write_consecutive
 from strata_kernels.kv_quant import bytes_per_token, hadamard
 from strata_kernels.reference import kv_dequantize
 
@@ -77,6 +77,10 @@ def test_bytes_per_token_of_the_formats():
     assert store.bytes_per_slot() == bytes_per_token("k8v4", 1, 256)
 
 
+def store_tensors(store: KVStore) -> list[torch.Tensor]:
+    return [t for t in (store.k, store.v, store.k_scales, store.v_scales) if t is not None]
+
+
 def _dense(q, k, v, start, window, scale):
     """Float64 attention over every position 0..start+T-1 (no ring)."""
     t, h, d = q.shape
@@ -107,6 +111,7 @@ def test_prefill_and_decode_attention(fmt, head_dim, group, context, window, chu
     keys, values = _rand(context, hkv, head_dim, seed=5), _rand(context, hkv, head_dim, seed=6)
     capacity = context if window is None else min(context, window + chunk)
     ring = KVStore.allocate(fmt, capacity, hkv, head_dim)
+    ring_by_runs = KVStore.allocate(fmt, capacity, hkv, head_dim)  # written by kv_write_consecutive
     full = KVStore.allocate(fmt, context, hkv, head_dim)  # same codes, never wraps: the dense baseline's values
     kv_write(full, torch.arange(context), keys, values)
     k_all, v_all = kv_read(full, torch.arange(context))
@@ -115,12 +120,16 @@ def test_prefill_and_decode_attention(fmt, head_dim, group, context, window, chu
     steps += [(context - 2, context - 1), (context - 1, context)]
     for s0, s1 in steps:
         kv_write(ring, torch.arange(s0, s1), keys[s0:s1], values[s0:s1])
+        kv_write_consecutive(ring_by_runs, s0, keys[s0:s1], values[s0:s1])
+        assert all(torch.equal(a, b) for a, b in zip(store_tensors(ring), store_tensors(ring_by_runs)))
         q = _rand(s1 - s0, hkv * group, head_dim, seed=s0)
         expected = _dense(q, k_all[:s1], v_all[:s1], s0, window, scale)
         by_torch = attention(q, ring, s0, window, scale, backend="torch")
         by_triton = attention(q, ring, s0, window, scale, backend="triton")
+        by_cpu = attention(q, ring, s0, window, scale, backend="cpu")  # the compiled kernel on f16 decode steps
         assert torch.allclose(by_torch.double(), expected, atol=2e-5), report_mismatch(by_torch, expected.float(), 2e-5)
         assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
+        assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -133,7 +142,9 @@ def test_decode_split_over_the_context(fmt):
     q = _rand(1, hkv * group, d, seed=9)
     by_torch = attention(q, store, context - 1, None, 0.125, backend="torch")
     by_triton = attention(q, store, context - 1, None, 0.125, backend="triton")
+    by_cpu = attention(q, store, context - 1, None, 0.125, backend="cpu")  # chunks of 128 across threads
     assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
+    assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
 def test_bad_shapes_are_clear():

@@ -9,7 +9,7 @@ not installed).
 from .attention import attention
 from .dequant import SUPPORTED_TYPES, dequantize
 from .formats import BlockFormat, block_format
-from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write
+from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecutive
 from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
 from .reference import embedding_rows, slot_runs
@@ -20,6 +20,7 @@ __all__ = [
     "attention",
     "kv_read",
     "kv_write",
+    "kv_write_consecutive",
     "BlockFormat",
     "QuantTensor",
     "SUPPORTED_TYPES",

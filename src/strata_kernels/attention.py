@@ -14,7 +14,9 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     positions ``start..start+T-1``, over ``store`` already holding positions
     up to ``start+T-1``; a sliding layer passes its ``window``. One query
     (decode) splits the context across programs and merges the parts by
-    log-sum-exp; many (prefill) tile the queries. Returns float32 ``[T, H, D]``."""
+    log-sum-exp; many (prefill) tile the queries. Returns float32 ``[T, H, D]``.
+    ``backend="cpu"`` runs one query over float32 f16-format storage with the
+    compiled CPU kernel, anything else with the torch reference."""
     t, h, d = q.shape
     if d != store.head_dim or h % store.kv_heads:
         raise ValueError(
@@ -22,7 +24,17 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
         )
     if start < 0 or t < 1:
         raise ValueError(f"need at least one query at a position >= 0, got T={t}, start={start}")
-    if resolve_backend(q.device, backend) == "torch":
+    chosen = resolve_backend(q.device, backend)
+    if chosen == "cpu" and t == 1 and store.fmt == "f16" and store.k.dtype == torch.float32 and d % 16 == 0:
+        # A decode step over float32 storage: the compiled kernel, reading the
+        # visible ring slots in place (the window's first position on).
+        from . import cpu_kernels
+        from .reference import slot_runs
+
+        first = 0 if window is None else max(0, start - window + 1)
+        runs = [(slot, n) for _, slot, n in slot_runs(first, start + 1, store.capacity)]
+        return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, runs, scale).reshape(1, h, d)
+    if chosen in ("torch", "cpu"):  # the CPU kernel covers the decode case above only
         from .reference import attention as attention_torch
 
         return attention_torch(q, store, start, window, scale)

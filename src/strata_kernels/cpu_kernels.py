@@ -1,7 +1,8 @@
-"""CPU kernels that read GGUF blocks directly (``csrc/gguf_cpu.cpp``).
+"""CPU kernels: GEMVs that read GGUF blocks directly (``csrc/gguf_cpu.cpp``)
+and the small operations of a decode step (``csrc/decode_cpu.cpp``).
 
-The C++ source is compiled on first use with the machine's compiler, through
-``torch.utils.cpp_extension`` (about 25 s on 2 cores, then cached by torch
+The C++ sources are compiled on first use with the machine's compiler, through
+``torch.utils.cpp_extension`` (about 50 s on 2 cores, then cached by torch
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). It is
 built with ``-march=native``: it runs where it was built. Importing this
 module builds nothing; ``available()`` says whether the build worked, and why
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 # The types gguf_cpu.cpp decodes.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
-_SOURCE = Path(__file__).parent / "csrc" / "gguf_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("gguf_cpu.cpp", "decode_cpu.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -36,7 +38,7 @@ def _build():
 
     # -ffp-contract=off: dequantize must round exactly as gguf-py does (no
     # fused multiply-adds unless the source asks for one).
-    return load(name="strata_gguf_cpu", sources=[str(_SOURCE)],
+    return load(name="strata_cpu_kernels", sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
@@ -81,7 +83,14 @@ def gemv(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     """``x @ W.T`` for float32 or bfloat16 ``x`` ``[M, K]``, ``M <= 8``,
     reading each block of ``qt`` once; ``[M, N]`` in x's dtype (accumulated
     in float32)."""
-    return kernels().gemv(x, qt.data, int(qt.qtype), qt.cols)
+    return kernels().gemv(x, [qt.data], [int(qt.qtype)], qt.cols)[0]
+
+
+def gemv_many(x: torch.Tensor, weights: list[QuantTensor]) -> list[torch.Tensor]:
+    """``[x @ W.T for W in weights]`` in one call and one parallel region
+    (the q/k/v or gate/up projections of a decode step), same contract as
+    ``gemv``; the weights may be of different types."""
+    return kernels().gemv(x, [w.data for w in weights], [int(w.qtype) for w in weights], x.shape[-1])
 
 
 def dequantize_into(qt: QuantTensor, out: torch.Tensor) -> torch.Tensor:
@@ -115,3 +124,24 @@ def qmatmul_cpu(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
         w = dequantize_into(part, slab[:part.rows])
         torch.matmul(work, w.T, out=out[:, r0:r0 + part.rows])
     return out.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim of float32
+    or bfloat16 ``x`` (weight float32), in one call; then, with ``rope``
+    (float32 cos/sin ``[T, 1, D]`` for ``x`` ``[T, H, D]``), the NEOX rotary
+    embedding; then, with ``residual``, ``residual + result``. Float32 inside,
+    rounded once to x's dtype."""
+    cos, sin = rope if rope is not None else (None, None)
+    return kernels().rms_norm(x.contiguous(), weight, eps, residual, cos, sin)
+
+
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
+                     scale: float) -> torch.Tensor:
+    """One query's attention: ``q`` ``[H, D]`` float32 over float32 keys and
+    values ``[capacity, Hkv, D]`` at the ring slots ``runs`` names (``(slot,
+    count)`` pairs, every position visible: no mask); ``[H, D]`` float32.
+    Each K and V row is read once; D a multiple of 16."""
+    flat = [int(i) for run in runs for i in run]
+    return kernels().attention_decode(q.contiguous(), k, v, flat, scale)

@@ -108,6 +108,33 @@ def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return (h / dim**0.5).to(device=device, dtype=torch.float32)
 
 
+def _check_rows(store: KVStore, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if keys.shape != values.shape or keys.dim() != 3 or keys.shape[1:] != (store.kv_heads, store.head_dim):
+        raise ValueError(
+            f"keys and values must both be [T, {store.kv_heads}, {store.head_dim}], "
+            f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if keys.shape[0] > store.capacity:
+        raise ValueError(f"cannot write {keys.shape[0]} positions into {store.capacity} slots at once")
+
+
+def kv_write_consecutive(store: KVStore, start: int, keys: torch.Tensor, values: torch.Tensor,
+                         backend: str = "auto") -> None:
+    """``kv_write`` at positions ``start..start+T-1``, as a sequence writes.
+    Float (f16-format) storage takes plain slice copies, one per contiguous
+    run of ring slots, with no index tensors: at a decode step's one row
+    those cost more than the copy."""
+    if store.fmt != "f16":
+        kv_write(store, torch.arange(start, start + keys.shape[0], device=keys.device), keys, values, backend)
+        return
+    _check_rows(store, keys, values)
+    from .reference import slot_runs
+
+    for pos, slot, n in slot_runs(start, start + keys.shape[0], store.capacity):
+        store.k[slot:slot + n] = keys[pos - start:pos - start + n]
+        store.v[slot:slot + n] = values[pos - start:pos - start + n]
+
+
 def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              backend: str = "auto") -> None:
     """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into the slots of ``positions`` ``[T]``, in place.
@@ -115,15 +142,9 @@ def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values
     Positions must fall in distinct slots (``p % capacity``); consecutive
     positions, as a sequence writes them, always do. Two rows aimed at one
     slot would race."""
-    if keys.shape != values.shape or keys.dim() != 3 or keys.shape[1:] != (store.kv_heads, store.head_dim):
-        raise ValueError(
-            f"keys and values must both be [T, {store.kv_heads}, {store.head_dim}], "
-            f"got {tuple(keys.shape)} and {tuple(values.shape)}"
-        )
+    _check_rows(store, keys, values)
     if positions.shape != (keys.shape[0],):
         raise ValueError(f"positions must be [{keys.shape[0]}], got {tuple(positions.shape)}")
-    if keys.shape[0] > store.capacity:
-        raise ValueError(f"cannot write {keys.shape[0]} positions into {store.capacity} slots at once")
     slots = positions.to(store.k.device, torch.long) % store.capacity
     if store.fmt == "k8v4":
         values = values.float() @ hadamard(store.head_dim, values.device)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_kernels import KV_FORMATS, KVStore, attention, kv_write
+from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive
 from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 
 # Prefill runs in chunks of at most this many tokens, so a sliding-window
@@ -72,12 +72,12 @@ class KVCache:
                 f"the sequence needs {end} positions but the cache holds {self.max_tokens}; "
                 f"load the model with a larger context_length"
             )
-        positions = torch.arange(start, end, device=keys.device)
-        kv_write(self.stores[layer], positions, keys, values)
+        kv_write_consecutive(self.stores[layer], start, keys, values)
 
-    def attend(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-        """Attention of queries ``[T, H, D]`` at ``start..`` over this layer (written up to ``start+T-1``)."""
-        return attention(q, self.stores[layer], start, self.windows[layer], scale)
+    def attend(self, layer: int, q: torch.Tensor, start: int, scale: float, backend: str = "auto") -> torch.Tensor:
+        """Attention of queries ``[T, H, D]`` at ``start..`` over this layer
+        (written up to ``start+T-1``), on ``strata_kernels.attention``'s ``backend``."""
+        return attention(q, self.stores[layer], start, self.windows[layer], scale, backend)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions written (after every layer has written them)."""

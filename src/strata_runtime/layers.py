@@ -44,6 +44,8 @@ class Linear(nn.Module):
             self.qweight = weight
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
+        # Blocks read by the compiled CPU kernels (see ``linears``).
+        self.cpu_blocks = self.qweight is not None and weight.device.type == "cpu"
         # On the CPU, the kernel directly: qmatmul's checks held here once, and
         # at decode sizes they would cost a tenth of the product.
         self._matmul = cpu_kernels.qmatmul_cpu if weight.device.type == "cpu" else qmatmul
@@ -53,6 +55,18 @@ class Linear(nn.Module):
             return F.linear(x, self.weight)
         flat = x.reshape(-1, x.shape[-1])
         return self._matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows)
+
+
+def linears(x: torch.Tensor, *layers: Linear) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` for layers that read the same input
+    (q/k/v, gate/up). When all hold CPU blocks and ``x`` is a decode step's
+    few rows, one kernel call computes them all: one pass over ``x`` and one
+    parallel region instead of one each."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= CPU_GEMV_MAX_M and all(layer.cpu_blocks for layer in layers):
+        outs = cpu_kernels.gemv_many(x.reshape(rows, x.shape[-1]), [layer.qweight for layer in layers])
+        return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in outs]
+    return [layer(x) for layer in layers]
 
 
 class TiedEmbedding(nn.Module):
@@ -67,9 +81,13 @@ class TiedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows in the model's dtype; a decode step's few rows read by the CPU
+        kernels in float32: the GEMV reads float32 anyway, so a step then
+        runs in float32 with no bfloat16 round trips between its ops."""
         if self.out.weight is not None:
             return self.out.weight[tokens]
-        return embedding_rows(self.out.qweight, tokens, self.dtype)
+        rows = embedding_rows(self.out.qweight, tokens, self.dtype)
+        return rows.float() if self.out.cpu_blocks and tokens.numel() <= CPU_GEMV_MAX_M else rows
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 scores. A decode step's few rows go in as float32 too (the
@@ -82,16 +100,31 @@ class TiedEmbedding(nn.Module):
 
 class RMSNorm(nn.Module):
     """RMSNorm whose GGUF weight is the full multiplier (converters fold in
-    the ``1 +`` that Gemma's checkpoints keep separately)."""
+    the ``1 +`` that Gemma's checkpoints keep separately).
 
-    def __init__(self, weight: QuantTensor, eps: float):
+    ``forward(x, residual=None, rope=None)``: the norm of ``x``, then the
+    rotary embedding ``rope`` (cos, sin) if given, then ``residual +`` if
+    given: the ops that follow a norm in a transformer, one kernel call on
+    the CPU fast path (torch's own rms_norm is five ops there, 25 us at
+    decode sizes), plain torch ops otherwise.
+    """
+
+    def __init__(self, weight: QuantTensor, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.weight = nn.Parameter(dequantize(weight).reshape(-1), requires_grad=False)
         self.eps = eps
+        self.cpu_kernel = cpu_fast_path(weight, dtype) and cpu_kernels.available()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel: at decode sizes, one op instead of five.
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.cpu_kernel:
+            if rope is not None:
+                rope = (rope[0].float(), rope[1].float())
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual, rope)
+        y = F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        if rope is not None:
+            y = apply_rope(y, *rope)
+        return y if residual is None else residual + y
 
 
 def rope_inverse_frequencies(head_dim: int, base: float, linear_scale: float = 1.0) -> torch.Tensor:

@@ -1,7 +1,9 @@
 // CPU kernels that read GGUF weight blocks as they lie in the file.
 //
-//   gemv(x [M, K] float32|bfloat16, blocks [N, row_bytes] uint8, qtype, K) -> [M, N] in x's dtype
-//       y[m, n] = sum_k x[m, k] * w[n, k], M <= MAX_M, w never stored dense.
+//   gemv(x [M, K] float32|bfloat16, [blocks_i [N_i, row_bytes_i] uint8], [qtype_i], K)
+//       -> [y_i [M, N_i] in x's dtype], y_i[m, n] = sum_k x[m, k] * w_i[n, k],
+//       M <= kMaxM, no w_i ever stored dense. Several weights that read the
+//       same x (q/k/v, gate/up) share one pass over x and one parallel region.
 //   dequantize(blocks [N, row_bytes] uint8, qtype, K, out [N, K] float32|bfloat16)
 //       out[n, k] = w[n, k], bit for bit what gguf-py computes (float32).
 //
@@ -14,25 +16,23 @@
 // scale * sum(q * x) lane-wise and, when the type has minimums, subtracts
 // minv * sum(x) once, with sum(x) precomputed per 16 columns of x.
 //
-// Rows of the weight are split across torch's intra-op threads
+// Rows of the weights are split across torch's intra-op threads
 // (at::parallel_for), so torch.set_num_threads governs these kernels too.
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+#include "lanes.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
-
+namespace strata_cpu {
 namespace {
 
-constexpr int kMaxM = 8;    // rows of x handled by one pass over the weight
-constexpr int kLanes = 16;  // weights per SIMD step
 constexpr int kPrefetchRows = 4;
 
 inline float half_at(const uint8_t* p) {
@@ -222,77 +222,6 @@ struct Q6_K {
   }
 };
 
-// Sixteen float lanes in the machine's SIMD: one AVX-512 register, two AVX2
-// registers, or a plain array the compiler may vectorize. (Compilers turn
-// int8 -> float vector conversions into 16 scalar ones unless told how.)
-#if defined(__AVX512F__)
-struct Lanes {
-  __m512 v;
-  static Lanes zero() { return {_mm512_setzero_ps()}; }
-  static Lanes codes(const int8_t* q) {
-    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))};
-  }
-  static Lanes load(const float* x) { return {_mm512_loadu_ps(x)}; }
-  // this + a * b
-  Lanes fma(Lanes a, Lanes b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }
-  // this + a * s
-  Lanes fma(Lanes a, float s) const { return {_mm512_fmadd_ps(a.v, _mm512_set1_ps(s), v)}; }
-  float sum() const { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Lanes {
-  __m256 lo, hi;
-  static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static Lanes codes(const int8_t* q) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
-  }
-  static Lanes load(const float* x) { return {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)}; }
-  Lanes fma(Lanes a, Lanes b) const { return {_mm256_fmadd_ps(a.lo, b.lo, lo), _mm256_fmadd_ps(a.hi, b.hi, hi)}; }
-  Lanes fma(Lanes a, float s) const {
-    const __m256 sv = _mm256_set1_ps(s);
-    return {_mm256_fmadd_ps(a.lo, sv, lo), _mm256_fmadd_ps(a.hi, sv, hi)};
-  }
-  float sum() const {
-    const __m256 t = _mm256_add_ps(lo, hi);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    r = _mm_hadd_ps(r, r);
-    r = _mm_hadd_ps(r, r);
-    return _mm_cvtss_f32(r);
-  }
-};
-#else
-struct Lanes {
-  float v[16];
-  static Lanes zero() { return Lanes{}; }
-  static Lanes codes(const int8_t* q) {
-    Lanes o;
-    for (int i = 0; i < 16; ++i) o.v[i] = float(q[i]);
-    return o;
-  }
-  static Lanes load(const float* x) {
-    Lanes o;
-    std::memcpy(o.v, x, sizeof o.v);
-    return o;
-  }
-  Lanes fma(Lanes a, Lanes b) const {
-    Lanes o;
-    for (int i = 0; i < 16; ++i) o.v[i] = v[i] + a.v[i] * b.v[i];
-    return o;
-  }
-  Lanes fma(Lanes a, float s) const {
-    Lanes o;
-    for (int i = 0; i < 16; ++i) o.v[i] = v[i] + a.v[i] * s;
-    return o;
-  }
-  float sum() const {
-    float t = 0.0f;
-    for (int i = 0; i < 16; ++i) t += v[i];
-    return t;
-  }
-};
-#endif
 static_assert(kLanes == 16, "Lanes holds sixteen weights");
 
 // x: [M, K] float32; xsum: [M, K / T::SG] (sum of x over each scale group);
@@ -338,31 +267,19 @@ void gemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, c
   }
 }
 
-template <class T, int M>
-void gemv_typed(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum, float* y,
-                int64_t N) {
-  // About 32 KB of weight per task: small enough to spread even a 256-row
-  // matrix over the threads, large enough that scheduling is noise.
-  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, row_bytes));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    gemv_rows<T, M>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-  });
-}
-
 template <class T>
-void gemv_dispatch_m(int M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
-                     float* y, int64_t N) {
+void gemv_rows_m(int M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
+                 float* y, int64_t N, int64_t n0, int64_t n1) {
   switch (M) {
-    case 1: return gemv_typed<T, 1>(w, row_bytes, K, x, xsum, y, N);
-    case 2: return gemv_typed<T, 2>(w, row_bytes, K, x, xsum, y, N);
-    case 3: return gemv_typed<T, 3>(w, row_bytes, K, x, xsum, y, N);
-    case 4: return gemv_typed<T, 4>(w, row_bytes, K, x, xsum, y, N);
-    case 5: return gemv_typed<T, 5>(w, row_bytes, K, x, xsum, y, N);
-    case 6: return gemv_typed<T, 6>(w, row_bytes, K, x, xsum, y, N);
-    case 7: return gemv_typed<T, 7>(w, row_bytes, K, x, xsum, y, N);
-    case 8: return gemv_typed<T, 8>(w, row_bytes, K, x, xsum, y, N);
+    case 1: return gemv_rows<T, 1>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 2: return gemv_rows<T, 2>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 3: return gemv_rows<T, 3>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 4: return gemv_rows<T, 4>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 5: return gemv_rows<T, 5>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 6: return gemv_rows<T, 6>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 7: return gemv_rows<T, 7>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+    case 8: return gemv_rows<T, 8>(w, row_bytes, K, x, xsum, y, N, n0, n1);
   }
-  TORCH_CHECK(false, "gemv takes 1 to ", kMaxM, " rows of x, got ", M);
 }
 
 // float -> bfloat16 bits, rounding to nearest even as torch does (NaN stays
@@ -427,14 +344,25 @@ void check_blocks(const torch::Tensor& blocks, int64_t K) {
               " bytes, K=", K, " needs ", K / T::B * T::BYTES);
 }
 
-// x [M, K] float32 or bfloat16 -> y [M, N] in x's dtype. The float32 copy of
-// x and its group sums are made here, in plain loops: at decode sizes the
-// dispatch of a few torch ops would cost as much as the product.
-torch::Tensor gemv(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t K) {
+// sum(x) over each group of `group` columns, per row: [M, K / group].
+std::vector<float> group_sums(const std::vector<float>& x, int64_t M, int64_t K, int group) {
+  std::vector<float> sums(M * (K / group), 0.0f);
+  for (size_t i = 0; i < sums.size(); ++i)
+    for (int l = 0; l < group; ++l) sums[i] += x[i * group + l];
+  return sums;
+}
+
+}  // namespace
+
+// The float32 copy of x and its group sums are made here, in plain loops: at
+// decode sizes the dispatch of a few torch ops would cost as much as the product.
+std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> blocks, std::vector<int64_t> qtypes,
+                                int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with K=", K);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "x must be float32 or bfloat16, got ", x.scalar_type());
-  const int64_t M = x.size(0), N = blocks.size(0);
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), "one qtype per weight");
+  const int64_t M = x.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxM, "gemv takes 1 to ", kMaxM, " rows of x, got ", M);
   x = x.contiguous();
   std::vector<float> x32(M * K);
@@ -444,26 +372,53 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < M * K; ++i) x32[i] = float(xb[i]);
   }
-  std::vector<float> y32(M * N);
-  with_type(qtype, [&](auto t) {
-    using T = decltype(t);
-    check_blocks<T>(blocks, K);
-    // sum(x) per scale group: the minimums' share of every dot product.
-    const int64_t groups = K / T::SG;
-    std::vector<float> xsum(M * groups, 0.0f);
-    for (int64_t i = 0; i < M * groups; ++i)
-      for (int l = 0; l < T::SG; ++l) xsum[i] += x32[i * T::SG + l];
-    gemv_dispatch_m<T>(int(M), blocks.data_ptr<uint8_t>(), blocks.size(1), K, x32.data(), xsum.data(),
-                       y32.data(), N);
-  });
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  if (x.scalar_type() == torch::kFloat32) {
-    std::memcpy(y.data_ptr<float>(), y32.data(), M * N * sizeof(float));
-  } else {
-    c10::BFloat16* yb = y.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * N; ++i) yb[i] = c10::BFloat16(y32[i]);
+  // sum(x) per scale group (16 or 32 columns): the minimums' share of every dot.
+  const std::vector<float> xsum16 = group_sums(x32, M, K, 16), xsum32 = group_sums(x32, M, K, 32);
+
+  // The weights' rows, end to end, are one index space split across threads.
+  struct Part {
+    const uint8_t* w;
+    int64_t row_bytes, qtype, first, N;
+    std::vector<float> y;
+  };
+  std::vector<Part> parts;
+  int64_t total = 0, widest = 1;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    with_type(qtypes[i], [&](auto t) { check_blocks<decltype(t)>(blocks[i], K); });
+    const int64_t N = blocks[i].size(0);
+    parts.push_back({blocks[i].data_ptr<uint8_t>(), blocks[i].size(1), qtypes[i], total, N,
+                     std::vector<float>(M * N)});
+    total += N;
+    widest = std::max(widest, blocks[i].size(1));
   }
-  return y;
+  // About 32 KB of weight per task: small enough to spread even a 256-row
+  // matrix over the threads, large enough that scheduling is noise.
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / widest);
+  at::parallel_for(0, total, grain, [&](int64_t r0, int64_t r1) {
+    for (Part& p : parts) {
+      const int64_t lo = std::max(r0, p.first), hi = std::min(r1, p.first + p.N);
+      if (lo >= hi) continue;
+      with_type(p.qtype, [&](auto t) {
+        using T = decltype(t);
+        const float* xsum = T::SG == 16 ? xsum16.data() : xsum32.data();
+        gemv_rows_m<T>(int(M), p.w, p.row_bytes, K, x32.data(), xsum, p.y.data(), p.N, lo - p.first,
+                       hi - p.first);
+      });
+    }
+  });
+
+  std::vector<torch::Tensor> outputs;
+  for (const Part& p : parts) {
+    torch::Tensor y = torch::empty({M, p.N}, x.options());
+    if (x.scalar_type() == torch::kFloat32) {
+      std::memcpy(y.data_ptr<float>(), p.y.data(), M * p.N * sizeof(float));
+    } else {
+      c10::BFloat16* yb = y.data_ptr<c10::BFloat16>();
+      for (int64_t i = 0; i < M * p.N; ++i) yb[i] = c10::BFloat16(p.y[i]);
+    }
+    outputs.push_back(y);
+  }
+  return outputs;
 }
 
 void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor out) {
@@ -483,10 +438,4 @@ void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor ou
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "x @ W.T for GGUF blocks W and 1..8 rows of x");
-  m.def("dequantize", &dequantize, "GGUF blocks into a dense float32 or bfloat16 tensor");
-  m.attr("max_m") = kMaxM;
-}
+}  // namespace strata_cpu

@@ -16,8 +16,7 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import (Linear, RMSNorm, RopeCache, TiedEmbedding, apply_rope, gelu_tanh,
-                      rope_inverse_frequencies)
+from ..layers import Linear, RMSNorm, RopeCache, TiedEmbedding, gelu_tanh, linears, rope_inverse_frequencies
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(w(p + "attn_k.weight"), dtype)
         self.v_proj = Linear(w(p + "attn_v.weight"), dtype)
         self.o_proj = Linear(w(p + "attn_output.weight"), dtype)
-        self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps)
-        self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps)
+        self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, dtype)
+        self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, dtype)
+        # On the CPU fast path, the cache's attention by the CPU kernels too.
+        self.attention_backend = "cpu" if self.q_norm.cpu_kernel else "auto"
         sliding = args.is_sliding(layer)
         self.window = args.sliding_window if sliding else None
         inv_freq = (
@@ -90,15 +91,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a = self.args
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, a.n_heads, a.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, a.n_kv_heads, a.head_dim))
-        v = self.v_proj(x).view(t, a.n_kv_heads, a.head_dim)
-        cos, sin = self.rope.tables(positions, self.inv_freq, q.dtype)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        rope = self.rope.tables(positions, self.inv_freq, q.dtype)
+        q = self.q_norm(q.view(t, a.n_heads, a.head_dim), rope=rope)
+        k = self.k_norm(k.view(t, a.n_kv_heads, a.head_dim), rope=rope)
+        v = v.view(t, a.n_kv_heads, a.head_dim)
         start = int(positions[0])
         cache.write(self.layer, start, k, v)
-        out = cache.attend(self.layer, q, start, a.attention_scale)
+        out = cache.attend(self.layer, q, start, a.attention_scale, self.attention_backend)
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 
@@ -111,23 +111,24 @@ class MLP(nn.Module):
         self.down = Linear(w(p + "ffn_down.weight"), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gelu_tanh(self.gate(x)) * self.up(x))
+        gate, up = linears(x, self.gate, self.up)
+        return self.down(gelu_tanh(gate) * up)
 
 
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache):
         super().__init__()
         p = f"blk.{layer}."
-        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps)
+        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, dtype)
         self.attn = Attention(args, layer, w, dtype, rope)
-        self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps)
-        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps)
+        self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps, dtype)
+        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, dtype)
         self.mlp = MLP(layer, w, dtype)
-        self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps)
+        self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, cache))
-        return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
+        x = self.post_attn_norm(self.attn(self.attn_norm(x), positions, cache), residual=x)
+        return self.post_ffn_norm(self.mlp(self.ffn_norm(x)), residual=x)
 
 
 class Model(nn.Module):
@@ -144,7 +145,7 @@ class Model(nn.Module):
         ropes = {True: RopeCache(), False: RopeCache()}
         self.layers = nn.ModuleList(Block(args, i, weights, dtype, ropes[args.is_sliding(i)])
                                     for i in range(args.n_layers))
-        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps)
+        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         x = self.embedding(tokens) * self.embed_scale

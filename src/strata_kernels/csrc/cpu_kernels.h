@@ -1,0 +1,25 @@
+// The CPU kernels' entry points, bound to Python in bindings.cpp and
+// wrapped by strata_kernels/cpu_kernels.py (which states each contract).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace strata_cpu {
+
+constexpr int kMaxM = 8;  // rows of x one GEMV pass handles
+
+// gguf_cpu.cpp: GGUF blocks.
+std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> blocks, std::vector<int64_t> qtypes,
+                                int64_t K);
+void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor out);
+
+// decode_cpu.cpp: the small operations of a decode step.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual,
+                       std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin);
+torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> runs,
+                               double scale);
+
+}  // namespace strata_cpu

@@ -171,3 +171,19 @@ def test_gpu_attention_large(fmt, context):
     ref = attention(q, store, context - 1, None, d**-0.5, backend="torch")
     out = attention(q, store, context - 1, None, d**-0.5, backend="triton")
     assert torch.allclose(out, ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_cpu_decode_over_bfloat16_storage(window):
+    """The CPU fast path stores f16-format keys and values in bfloat16 (they
+    are bfloat16 values already); the compiled decode kernel reads them in
+    place, as the torch reference does after widening them to float32."""
+    hkv, group, d, context = 2, 4, 128, 700
+    store = KVStore.allocate("f16", context, hkv, d, float_dtype=torch.bfloat16)
+    keys, values = _rand(context, hkv, d, seed=10), _rand(context, hkv, d, seed=11)
+    kv_write_consecutive(store, 0, keys, values)
+    assert store.k.dtype == torch.bfloat16 and torch.equal(store.k, keys.bfloat16())
+    q = _rand(1, hkv * group, d, seed=12)
+    by_torch = attention(q, store, context - 1, window, d**-0.5, backend="torch")
+    by_cpu = attention(q, store, context - 1, window, d**-0.5, backend="cpu")
+    assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)

@@ -55,8 +55,10 @@ def test_random_conversations_with_random_faults(model_file):
             assert cc.pool.used_bytes == leased * cc.pool.page_bytes
             assert len(cc.snapshots) <= cc.slots
 
+    # Derandomized: the same sequences every run, so the counts asserted
+    # below (that they parked, restored and skipped) cannot come and go.
     Conversations.TestCase.settings = settings(
-        max_examples=6, stateful_step_count=8, deadline=None,
+        max_examples=6, stateful_step_count=8, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     with torch.inference_mode():

@@ -15,8 +15,8 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     up to ``start+T-1``; a sliding layer passes its ``window``. One query
     (decode) splits the context across programs and merges the parts by
     log-sum-exp; many (prefill) tile the queries. Returns float32 ``[T, H, D]``.
-    ``backend="cpu"`` runs one query over float32 f16-format storage with the
-    compiled CPU kernel, anything else with the torch reference."""
+    ``backend="cpu"`` runs one query over float32 or bfloat16 f16-format
+    storage with the compiled CPU kernel, anything else with the torch reference."""
     t, h, d = q.shape
     if d != store.head_dim or h % store.kv_heads:
         raise ValueError(
@@ -25,9 +25,10 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     if start < 0 or t < 1:
         raise ValueError(f"need at least one query at a position >= 0, got T={t}, start={start}")
     chosen = resolve_backend(q.device, backend)
-    if chosen == "cpu" and t == 1 and store.fmt == "f16" and store.k.dtype == torch.float32 and d % 16 == 0:
-        # A decode step over float32 storage: the compiled kernel, reading the
-        # visible ring slots in place (the window's first position on).
+    float_storage = store.fmt == "f16" and store.k.dtype in (torch.float32, torch.bfloat16)
+    if chosen == "cpu" and t == 1 and float_storage and d % 16 == 0:
+        # A decode step over float32 or bfloat16 storage: the compiled kernel,
+        # reading the visible ring slots in place (the window's first position on).
         from . import cpu_kernels
         from .reference import slot_runs
 

@@ -82,7 +82,8 @@ def check_supported(qt: QuantTensor) -> None:
 def gemv(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     """``x @ W.T`` for float32 or bfloat16 ``x`` ``[M, K]``, ``M <= 8``,
     reading each block of ``qt`` once; ``[M, N]`` in x's dtype (accumulated
-    in float32)."""
+    in float32). bfloat16 ``x`` uses the CPU's bf16 dot-product instructions
+    where it has them (AVX512_BF16) for types of up to 7-bit codes."""
     return kernels().gemv(x, [qt.data], [int(qt.qtype)], qt.cols)[0]
 
 

@@ -37,7 +37,7 @@ class EngineConfig:
 
     dtype: str = "float32"
     device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
-    kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU), int8, k8v4
+    kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU, bfloat16 with dtype=bfloat16), int8, k8v4
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     conversation_cache_mib: int = 1024  # host staging pool for parked conversations (0: none)

@@ -81,13 +81,9 @@ class TiedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows in the model's dtype; a decode step's few rows read by the CPU
-        kernels in float32: the GEMV reads float32 anyway, so a step then
-        runs in float32 with no bfloat16 round trips between its ops."""
         if self.out.weight is not None:
             return self.out.weight[tokens]
-        rows = embedding_rows(self.out.qweight, tokens, self.dtype)
-        return rows.float() if self.out.cpu_blocks and tokens.numel() <= CPU_GEMV_MAX_M else rows
+        return embedding_rows(self.out.qweight, tokens, self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 scores. A decode step's few rows go in as float32 too (the

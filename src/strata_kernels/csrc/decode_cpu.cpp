@@ -31,7 +31,7 @@
 namespace strata_cpu {
 namespace {
 
-constexpr int64_t kAttentionChunk = 128;  // positions per task
+constexpr int64_t kAttentionChunk = 128;  // positions per task (a multiple of kLanes)
 
 template <class V>
 void load_row(const V* src, float* dst, int64_t n) {
@@ -129,13 +129,96 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::o
   return out;
 }
 
+namespace {
+
+constexpr int kMaxGroup = 8;  // query heads per KV head handled together
+constexpr int kTile = 4;      // Lanes of the head dim per pass over V (accumulators stay in registers)
+
+// sum_j e[g][j] * v_j over a chunk's rows for dims d0..d0+TILES*kLanes-1,
+// the G x TILES accumulators in registers while the rows stream past.
+template <int G, int TILES, class KV>
+void weighted_values(const KV* v, const int64_t* slots, int64_t len, int64_t Hkv, int64_t hk, int64_t D, int64_t d0,
+                     const float* e, float* acc_out) {
+  Lanes acc[G][TILES];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < TILES; ++t) acc[g][t] = Lanes::zero();
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* value = v + (slots[j] * Hkv + hk) * D + d0;
+    for (int t = 0; t < TILES; ++t) {
+      const Lanes vv = Lanes::load(value + t * kLanes);
+      for (int g = 0; g < G; ++g) acc[g][t] = acc[g][t].fma(vv, e[g * kAttentionChunk + j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < TILES; ++t) acc[g][t].store(acc_out + g * D + d0 + t * kLanes);
+}
+
+// One chunk of positions (their ring slots) for the G query heads h0.. of KV
+// head hk: per head, the chunk's max score m, sum of e = exp(score - m), and
+// acc = sum_j e_j * v_j ([G, D]). p is scratch of G rows of kAttentionChunk.
+// G is a template argument so that the per-head accumulators live in
+// registers (with a run-time G they went through the stack: 4x slower).
+template <int G, class KV>
+void attend_chunk(const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len, int64_t Hkv,
+                  int64_t hk, int64_t h0, int64_t D, float scale, float* p, float* max_out, float* sum_out,
+                  float* acc_out) {
+  // Scores: each key row is loaded once for the G query heads.
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* key = k + (slots[j] * Hkv + hk) * D;
+    Lanes dot[G];
+    for (int g = 0; g < G; ++g) dot[g] = Lanes::zero();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const Lanes kv = Lanes::load(key + d);
+      for (int g = 0; g < G; ++g) dot[g] = dot[g].fma(Lanes::load(q + (h0 + g) * D + d), kv);
+    }
+    for (int g = 0; g < G; ++g) p[g * kAttentionChunk + j] = dot[g].sum() * scale;
+  }
+  // e = exp(score - m), whole lanes at a time: the padding past len is
+  // -inf, whose e is 0.
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  for (int g = 0; g < G; ++g) {
+    float* pg = p + g * kAttentionChunk;
+    const float m = *std::max_element(pg, pg + len);
+    std::fill(pg + len, pg + padded, -std::numeric_limits<float>::infinity());
+    const Lanes minus_m = Lanes::fill(-m);
+    Lanes total = Lanes::zero();
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const Lanes e = Lanes::load(pg + j).add(minus_m).exp();
+      e.store(pg + j);
+      total = total.add(e);
+    }
+    max_out[g] = m;
+    sum_out[g] = total.sum();
+  }
+  int64_t d0 = 0;
+  for (; d0 + kTile * kLanes <= D; d0 += kTile * kLanes)
+    weighted_values<G, kTile>(v, slots, len, Hkv, hk, D, d0, p, acc_out);
+  for (; d0 < D; d0 += kLanes) weighted_values<G, 1>(v, slots, len, Hkv, hk, D, d0, p, acc_out);
+}
+
+template <class KV>
+void attend_chunk_any(int G, const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len, int64_t Hkv,
+                      int64_t hk, int64_t h0, int64_t D, float scale, float* p, float* max_out, float* sum_out,
+                      float* acc_out) {
+  switch (G) {
+#define STRATA_GROUP(n) \
+  case n: return attend_chunk<n>(q, k, v, slots, len, Hkv, hk, h0, D, scale, p, max_out, sum_out, acc_out);
+    STRATA_GROUP(1) STRATA_GROUP(2) STRATA_GROUP(3) STRATA_GROUP(4)
+    STRATA_GROUP(5) STRATA_GROUP(6) STRATA_GROUP(7) STRATA_GROUP(8)
+#undef STRATA_GROUP
+  }
+}
+
+}  // namespace
+
 torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> runs,
                                double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(),
               "q must be contiguous float32 [H, D]");
-  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && k.dim() == 3 &&
-                  k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous(),
-              "k and v must be contiguous float32 [capacity, Hkv, D]");
+  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
+                  v.scalar_type() == k.scalar_type() && k.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.is_contiguous() && v.is_contiguous(),
+              "k and v must be contiguous float32 or bfloat16 [capacity, Hkv, D], of one dtype");
   const int64_t H = q.size(0), D = q.size(1), capacity = k.size(0), Hkv = k.size(1);
   TORCH_CHECK(k.size(2) == D && H % Hkv == 0, "q [", H, ", ", D, "] does not fit K/V of ", Hkv, " heads of dim ",
               k.size(2));
@@ -149,43 +232,34 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   }
   const int64_t n = int64_t(slots.size()), G = H / Hkv;
   const int64_t chunks = (n + kAttentionChunk - 1) / kAttentionChunk;
+  // Tasks: (chunk, KV head, group of up to kMaxGroup of its query heads).
+  const int64_t parts = (G + kMaxGroup - 1) / kMaxGroup;
+  const int64_t tasks = chunks * Hkv * parts;
+  // Per chunk and query head: max score, sum of exp(score - max), and
+  // sum of exp(score - max) * v.
+  std::vector<float> chunk_max(chunks * H), chunk_sum(chunks * H), chunk_acc(chunks * H * D);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  // Per chunk and query head: the chunk's max score, sum of exp(score - max),
-  // and sum of exp(score - max) * v.
-  std::vector<float> chunk_max(chunks * H), chunk_sum(chunks * H), chunk_acc(chunks * H * D, 0.0f);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> p(H * kAttentionChunk);
-    for (int64_t c = c0; c < c1; ++c) {
+  const float s = float(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(kMaxGroup * kAttentionChunk);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t c = task / (Hkv * parts), hk = (task / parts) % Hkv, part = task % parts;
+      const int64_t h0 = hk * G + part * kMaxGroup;
+      const int group = int(std::min<int64_t>(kMaxGroup, G - part * kMaxGroup));
       const int64_t j0 = c * kAttentionChunk, len = std::min(kAttentionChunk, n - j0);
-      for (int64_t j = 0; j < len; ++j) {
-        for (int64_t hk = 0; hk < Hkv; ++hk) {
-          const float* key = kp + (slots[j0 + j] * Hkv + hk) * D;
-          for (int64_t h = hk * G; h < (hk + 1) * G; ++h) p[h * len + j] = dot(qp + h * D, key, D) * float(scale);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float* ph = p.data() + h * len;
-        const float m = *std::max_element(ph, ph + len);
-        float total = 0.0f;
-        for (int64_t j = 0; j < len; ++j) total += (ph[j] = std::exp(ph[j] - m));
-        chunk_max[c * H + h] = m;
-        chunk_sum[c * H + h] = total;
-      }
-      float* acc = chunk_acc.data() + c * H * D;
-      for (int64_t j = 0; j < len; ++j) {
-        for (int64_t hk = 0; hk < Hkv; ++hk) {
-          const float* value = vp + (slots[j0 + j] * Hkv + hk) * D;
-          for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-            const float w = p[h * len + j];
-            for (int64_t d = 0; d < D; d += kLanes)
-              Lanes::load(acc + h * D + d).fma(Lanes::load(value + d), w).store(acc + h * D + d);
-          }
-        }
+      float* mx = chunk_max.data() + c * H + h0;
+      float* sm = chunk_sum.data() + c * H + h0;
+      float* acc = chunk_acc.data() + (c * H + h0) * D;
+      if (k.scalar_type() == torch::kFloat32) {
+        attend_chunk_any(group, qp, k.data_ptr<float>(), v.data_ptr<float>(), slots.data() + j0, len, Hkv, hk, h0, D,
+                         s, p.data(), mx, sm, acc);
+      } else {
+        attend_chunk_any(group, qp, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), slots.data() + j0, len,
+                         Hkv, hk, h0, D, s, p.data(), mx, sm, acc);
       }
     }
   });
+  // Merge the chunks by log-sum-exp.
   torch::Tensor out = torch::zeros({H, D}, q.options());
   float* o = out.data_ptr<float>();
   for (int64_t h = 0; h < H; ++h) {

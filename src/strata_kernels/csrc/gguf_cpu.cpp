@@ -16,6 +16,10 @@
 // scale * sum(q * x) lane-wise and, when the type has minimums, subtracts
 // minv * sum(x) once, with sum(x) precomputed per 16 columns of x.
 //
+// For bfloat16 x and codes of at most 7 bits, CPUs with AVX512_BF16 take
+// another inner loop (gemv_rows_bf16): codes decoded in registers, products
+// by the bf16 dot-product instruction. Float32 x always takes the float32 one.
+//
 // Rows of the weights are split across torch's intra-op threads
 // (at::parallel_for), so torch.set_num_threads governs these kernels too.
 
@@ -28,12 +32,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace strata_cpu {
 namespace {
 
 constexpr int kPrefetchRows = 4;
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define STRATA_BF16_DOT 1  // see gemv_rows_bf16
+#endif
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -45,6 +54,12 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // A block decoded: codes and one (scale, minv) per SG weights.
 template <int B, int SG>
 struct Decoded {
@@ -54,8 +69,9 @@ struct Decoded {
 };
 
 // Types are structs with: B (weights per block), BYTES (bytes per block),
-// SG (weights sharing one scale), HAS_MIN (whether minv can be nonzero),
-// Block (their Decoded) and decode(block bytes, Block&).
+// SG (weights sharing one scale), CODE_BITS and CODE_OFFSET (q + CODE_OFFSET
+// is the stored unsigned code, below 2^CODE_BITS), HAS_MIN (whether minv
+// can be nonzero), Block (their Decoded) and decode(block bytes, Block&).
 
 // The 32 codes of a 32-weight block: q[j] = low nibble of qs[j] (plus 16
 // if bit j of qh is set) - offset, q[16 + j] the same with the high nibble
@@ -88,84 +104,137 @@ inline void small_block_codes(const uint8_t* qs, uint32_t qh, int8_t offset, int
 #endif
 }
 
+#ifdef STRATA_BF16_DOT
+// The 32 stored (unsigned) codes of a 32-weight block in one register:
+// nibble j of qs (low nibbles first), plus 16 where bit j of qh is set.
+inline __m256i small_block_codes32(const uint8_t* qs, uint32_t qh) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
+  const __m256i nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  return _mm256_or_si256(nibbles, _mm256_maskz_mov_epi8(__mmask32(qh), _mm256_set1_epi8(16)));
+}
+#endif
+
+// Each type also has scales(block, scale[], minv[]) (the block's header) and,
+// with the bf16 dot product, codes32(block, c): the stored unsigned codes
+// (q + CODE_OFFSET) of weights c..c+31 in one register, never in memory.
+
 struct Q4_0 {
   static constexpr int B = 32, BYTES = 18, SG = 32;
+  static constexpr int CODE_BITS = 4, CODE_OFFSET = 8;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = false;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    scale[0] = half_at(b);
+    minv[0] = 0.0f;
+  }
   static void decode(const uint8_t* b, Block& o) {
     small_block_codes(b + 2, 0, 8, o.q);
-    o.scale[0] = half_at(b);
-    o.minv[0] = 0.0f;
+    scales(b, o.scale, o.minv);
   }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 2, 0); }
+#endif
 };
 
 struct Q4_1 {
   static constexpr int B = 32, BYTES = 20, SG = 32;
+  static constexpr int CODE_BITS = 4, CODE_OFFSET = 0;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = true;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    scale[0] = half_at(b);
+    minv[0] = -half_at(b + 2);  // d*q + m == d*q - (-m), exactly
+  }
   static void decode(const uint8_t* b, Block& o) {
     small_block_codes(b + 4, 0, 0, o.q);
-    o.scale[0] = half_at(b);
-    o.minv[0] = -half_at(b + 2);  // d*q + m == d*q - (-m), exactly
+    scales(b, o.scale, o.minv);
   }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 4, 0); }
+#endif
 };
 
 struct Q5_0 {
   static constexpr int B = 32, BYTES = 22, SG = 32;
+  static constexpr int CODE_BITS = 5, CODE_OFFSET = 16;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = false;
-  static void decode(const uint8_t* b, Block& o) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    small_block_codes(b + 6, qh, 16, o.q);
-    o.scale[0] = half_at(b);
-    o.minv[0] = 0.0f;
+  static uint32_t high_bits(const uint8_t* b) { return u32_at(b + 2); }
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    scale[0] = half_at(b);
+    minv[0] = 0.0f;
   }
+  static void decode(const uint8_t* b, Block& o) {
+    small_block_codes(b + 6, high_bits(b), 16, o.q);
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 6, high_bits(b)); }
+#endif
 };
 
 struct Q5_1 {
   static constexpr int B = 32, BYTES = 24, SG = 32;
+  static constexpr int CODE_BITS = 5, CODE_OFFSET = 0;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = true;
-  static void decode(const uint8_t* b, Block& o) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 4, 4);
-    small_block_codes(b + 8, qh, 0, o.q);
-    o.scale[0] = half_at(b);
-    o.minv[0] = -half_at(b + 2);
+  static uint32_t high_bits(const uint8_t* b) { return u32_at(b + 4); }
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    scale[0] = half_at(b);
+    minv[0] = -half_at(b + 2);
   }
+  static void decode(const uint8_t* b, Block& o) {
+    small_block_codes(b + 8, high_bits(b), 0, o.q);
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 8, high_bits(b)); }
+#endif
 };
 
-struct Q8_0 {
+struct Q8_0 {  // 8-bit codes: no codes32 (the bf16 trick needs 7 bits at most)
   static constexpr int B = 32, BYTES = 34, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 128;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = false;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    scale[0] = half_at(b);
+    minv[0] = 0.0f;
+  }
   static void decode(const uint8_t* b, Block& o) {
-    const float d = half_at(b);
     std::memcpy(o.q, b + 2, 32);
-    o.scale[0] = d;
-    o.minv[0] = 0.0f;
+    scales(b, o.scale, o.minv);
   }
 };
 
 // The eight (scale, min) pairs of a Q4_K/Q5_K super-block, from its header
 // (d, dmin as float16, then 12 bytes of 6-bit scales and minimums).
-template <class Block>
-inline void k_scales_mins(const uint8_t* b, Block& o) {
+inline void k_scales_mins(const uint8_t* b, float* scale, float* minv) {
   const float d = half_at(b), dmin = half_at(b + 2);
   const uint8_t* s = b + 4;
   for (int j = 0; j < 8; ++j) {
     const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
     const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    o.scale[j] = d * float(sc);
-    o.minv[j] = dmin * float(m);
+    scale[j] = d * float(sc);
+    minv[j] = dmin * float(m);
   }
 }
 
+#ifdef STRATA_BF16_DOT
+// Nibbles of 32 bytes: the low ones (high == false) or the high ones.
+inline __m256i nibbles32(const uint8_t* p, bool high) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(high ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+}
+#endif
+
 struct Q4_K {
   static constexpr int B = 256, BYTES = 144, SG = 32;
+  static constexpr int CODE_BITS = 4, CODE_OFFSET = 0;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = true;
+  static void scales(const uint8_t* b, float* scale, float* minv) { k_scales_mins(b, scale, minv); }
   static void decode(const uint8_t* b, Block& o) {
     const uint8_t* qs = b + 16;
     for (int c = 0; c < 4; ++c) {  // 64 weights: low nibbles, then high
@@ -174,14 +243,19 @@ struct Q4_K {
         o.q[64 * c + 32 + l] = int8_t(qs[32 * c + l] >> 4);
       }
     }
-    k_scales_mins(b, o);
+    scales(b, o.scale, o.minv);
   }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int c) { return nibbles32(b + 16 + 32 * (c / 64), (c / 32) & 1); }
+#endif
 };
 
 struct Q5_K {
   static constexpr int B = 256, BYTES = 176, SG = 32;
+  static constexpr int CODE_BITS = 5, CODE_OFFSET = 0;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = true;
+  static void scales(const uint8_t* b, float* scale, float* minv) { k_scales_mins(b, scale, minv); }
   static void decode(const uint8_t* b, Block& o) {
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48;
@@ -191,19 +265,35 @@ struct Q5_K {
         o.q[64 * c + 32 + l] = int8_t((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
       }
     }
-    k_scales_mins(b, o);
+    scales(b, o.scale, o.minv);
   }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int c) {
+    // Group g = c / 32 takes bit g of each of the 32 qh bytes as its fifth bit.
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __mmask32 fifth = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << (c / 32))));
+    return _mm256_or_si256(nibbles32(b + 48 + 32 * (c / 64), (c / 32) & 1),
+                           _mm256_maskz_mov_epi8(fifth, _mm256_set1_epi8(16)));
+  }
+#endif
 };
 
 struct Q6_K {
   static constexpr int B = 256, BYTES = 210, SG = 16;
+  static constexpr int CODE_BITS = 6, CODE_OFFSET = 32;
   using Block = Decoded<B, SG>;
   static constexpr bool HAS_MIN = false;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int j = 0; j < 16; ++j) {
+      scale[j] = d * float(sc[j]);
+      minv[j] = 0.0f;
+    }
+  }
   static void decode(const uint8_t* b, Block& o) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
     for (int h = 0; h < 2; ++h) {  // two halves of 128 weights
       const uint8_t* l4 = ql + 64 * h;
       const uint8_t* h2 = qh + 32 * h;
@@ -215,11 +305,19 @@ struct Q6_K {
         q[l + 96] = int8_t((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
       }
     }
-    for (int j = 0; j < 16; ++j) {
-      o.scale[j] = d * float(scales[j]);
-      o.minv[j] = 0.0f;
-    }
+    scales(b, o.scale, o.minv);
   }
+#ifdef STRATA_BF16_DOT
+  static __m256i codes32(const uint8_t* b, int c) {
+    // Half h = c / 128; within it, quarter j takes low (j < 2) or high
+    // nibbles of ql's 32 bytes at 32 * (j % 2), and bits 2j..2j+1 of qh.
+    const int h = c / 128, j = (c / 32) % 4;
+    const __m256i low4 = nibbles32(b + 64 * h + 32 * (j % 2), j >= 2);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i top2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low4, _mm256_slli_epi16(top2, 4));
+  }
+#endif
 };
 
 static_assert(kLanes == 16, "Lanes holds sixteen weights");
@@ -227,6 +325,12 @@ static_assert(kLanes == 16, "Lanes holds sixteen weights");
 // x: [M, K] float32; xsum: [M, K / T::SG] (sum of x over each scale group);
 // y: [M, N]. Per scale group: dot = sum(q * x) in lanes, then
 // acc += dot * scale; the minimums come off once per row.
+// Ask for a row a few rows ahead: the hardware prefetcher alone leaves these
+// short rows latency-bound when the weight is not in cache.
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 template <class T, int M>
 void gemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
                float* y, int64_t N, int64_t n0, int64_t n1) {
@@ -236,12 +340,7 @@ void gemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, c
   typename T::Block d;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    // Ask for a row a few rows ahead: the hardware prefetcher alone leaves
-    // these short rows latency-bound when the weight is not in cache.
-    if (n + kPrefetchRows < n1) {
-      const uint8_t* ahead = row + kPrefetchRows * row_bytes;
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off);
-    }
+    if (n + kPrefetchRows < n1) prefetch(row + kPrefetchRows * row_bytes, row_bytes);
     Lanes acc[M];
     float acc_min[M];
     for (int m = 0; m < M; ++m) {
@@ -267,19 +366,89 @@ void gemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, c
   }
 }
 
+#ifdef STRATA_BF16_DOT
+// For bfloat16 x and codes of at most 7 bits: the bf16 dot-product
+// instruction (32 products per instruction, summed in pairs into 16 float32
+// lanes). A code u below 128 becomes a bfloat16 with bits 0x4300 | u, which
+// is exactly 128 + u, so no conversion instruction is needed:
+//     sum(x * q) = sum(x * (128 + u)) - (128 + CODE_OFFSET) * sum(x),
+// and the second term joins the minimums, subtracted once per row. (The
+// products are exact in float32; the 128 * x terms cost about 2^-12 of
+// relative precision in a sum that x's own bfloat16 rounding, 2^-9, bounds.)
 template <class T>
-void gemv_rows_m(int M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const float* xsum,
-                 float* y, int64_t N, int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: return gemv_rows<T, 1>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 2: return gemv_rows<T, 2>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 3: return gemv_rows<T, 3>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 4: return gemv_rows<T, 4>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 5: return gemv_rows<T, 5>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 6: return gemv_rows<T, 6>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 7: return gemv_rows<T, 7>(w, row_bytes, K, x, xsum, y, N, n0, n1);
-    case 8: return gemv_rows<T, 8>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+constexpr bool kBf16Dot = T::CODE_BITS <= 7;  // and so the type has codes32
+
+template <class T, int M>
+void gemv_rows_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, const c10::BFloat16* x, const float* xsum,
+                    float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int G = T::B / T::SG;
+  const int64_t blocks = K / T::B;
+  const int64_t groups = K / T::SG;
+  const __m512i magic = _mm512_set1_epi16(0x4300);
+  float scale[G], minv[G];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if (n + kPrefetchRows < n1) prefetch(row + kPrefetchRows * row_bytes, row_bytes);
+    __m512 acc[M];
+    float acc_min[M];
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm512_setzero_ps();
+      acc_min[m] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * T::BYTES;
+      T::scales(block, scale, minv);
+      for (int c = 0; c < T::B; c += 32) {
+        const __m512bh codes = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(T::codes32(block, c)), magic);
+        // Lanes 0-7 hold codes c..c+15, lanes 8-15 codes c+16..c+31.
+        const __m512 sv = T::SG == 32 ? _mm512_set1_ps(scale[c / 32])
+                                      : _mm512_insertf32x8(_mm512_set1_ps(scale[c / 16]),
+                                                           _mm256_set1_ps(scale[c / 16 + 1]), 1);
+        for (int m = 0; m < M; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + b * T::B + c);
+          acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), codes, xv), sv, acc[m]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const float shift = scale[g] * float(128 + T::CODE_OFFSET) + minv[g];
+        for (int m = 0; m < M; ++m) acc_min[m] += shift * xsum[m * groups + b * G + g];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]) - acc_min[m];
   }
+}
+#endif
+
+// f(std::integral_constant<int, M>) for M in 1..kMaxM: the row count as a
+// template argument, so that the per-row accumulators live in registers.
+template <class F>
+void with_rows(int M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// Rows n0..n1-1 of one weight for M rows of x: x_bf16 (x's bfloat16 values,
+// or null when x is float32) chooses the bf16 dot product where it applies.
+template <class T>
+void gemv_rows_m(int M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, const c10::BFloat16* x_bf16,
+                 const float* xsum, float* y, int64_t N, int64_t n0, int64_t n1) {
+  with_rows(M, [&](auto rows) {
+    constexpr int kM = decltype(rows)::value;
+#ifdef STRATA_BF16_DOT
+    if constexpr (kBf16Dot<T>) {
+      if (x_bf16 != nullptr) return gemv_rows_bf16<T, kM>(w, row_bytes, K, x_bf16, xsum, y, N, n0, n1);
+    }
+#endif
+    gemv_rows<T, kM>(w, row_bytes, K, x, xsum, y, N, n0, n1);
+  });
 }
 
 // float -> bfloat16 bits, rounding to nearest even as torch does (NaN stays
@@ -372,6 +541,7 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < M * K; ++i) x32[i] = float(xb[i]);
   }
+  const c10::BFloat16* x_bf16 = x.scalar_type() == torch::kBFloat16 ? x.data_ptr<c10::BFloat16>() : nullptr;
   // sum(x) per scale group (16 or 32 columns): the minimums' share of every dot.
   const std::vector<float> xsum16 = group_sums(x32, M, K, 16), xsum32 = group_sums(x32, M, K, 32);
 
@@ -401,7 +571,7 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
       with_type(p.qtype, [&](auto t) {
         using T = decltype(t);
         const float* xsum = T::SG == 16 ? xsum16.data() : xsum32.data();
-        gemv_rows_m<T>(int(M), p.w, p.row_bytes, K, x32.data(), xsum, p.y.data(), p.N, lo - p.first,
+        gemv_rows_m<T>(int(M), p.w, p.row_bytes, K, x32.data(), x_bf16, xsum, p.y.data(), p.N, lo - p.first,
                        hi - p.first);
       });
     }

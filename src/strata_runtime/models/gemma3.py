@@ -166,4 +166,8 @@ class Model(nn.Module):
 
     def new_cache(self, max_tokens: int, kv: str = "f16") -> KVCache:
         a = self.args
-        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, self.device)
+        # On the CPU fast path keys and values are bfloat16 values already, so
+        # f16-format storage in bfloat16 is lossless and half of float32's bytes.
+        fast = self.layers[0].attn.attention_backend == "cpu"
+        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, self.device,
+                       float_dtype=torch.bfloat16 if fast else None)

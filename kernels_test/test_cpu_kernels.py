@@ -70,13 +70,21 @@ def test_qmatmul_matches_float64(qtype, m):
     _check(x, qt)
 
 
-@pytest.mark.parametrize("m", [1, 5, 33])
-def test_qmatmul_bfloat16_activations(m):
+@pytest.mark.parametrize("qtype", CPU_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 5, CPU_GEMV_MAX_M, 33])
+def test_qmatmul_bfloat16_activations(qtype, m):
     """bfloat16 in, bfloat16 out, float32 accumulation: within the output's
-    rounding of the float64 product of the same bfloat16 inputs."""
-    qt = random_quant_tensor(T.Q4_K, 9, 2, seed=7)
+    rounding of the float64 product of the same bfloat16 inputs. The GEMV's
+    bf16 dot-product loop (codes of up to 7 bits, on CPUs with AVX512_BF16)
+    also lands within one bfloat16 step of its float32 loop on the same values."""
+    qt = random_quant_tensor(qtype, 9, _blocks_per_row(qtype, 512), seed=7)
     x = torch.randn(m, qt.cols, generator=torch.Generator().manual_seed(0)).bfloat16()
-    _check(x, qt)
+    actual = _check(x, qt)
+    if m <= CPU_GEMV_MAX_M:
+        by_float32 = cpu_kernels.gemv(x.float(), qt)
+        step = by_float32.abs() * 2.0**-8 + 1e-5
+        assert ((actual.float() - by_float32).abs() <= step).all(), \
+            report_mismatch(actual.float(), by_float32, atol=float(step.max()))
 
 
 def test_qmatmul_real_weights(model_gguf):

@@ -78,6 +78,15 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     engines, loads = {}, []
+    if "bfloat16" in args.dtypes.split(","):
+        # The fast path's kernels compile on first use (then torch caches
+        # them): timed apart, so that the load time below is a load's.
+        from strata_kernels import cpu_kernels
+
+        t0 = time.perf_counter()
+        built = cpu_kernels.available()
+        loads.append(f"CPU kernels: {'ready' if built else 'not built'} in {time.perf_counter() - t0:.1f} s "
+                     "(a compile on first use, then torch's cache)")
     for dtype in args.dtypes.split(","):
         t0 = time.perf_counter()
         engines[f"strata {dtype}"] = strata_runtime.load(

@@ -140,9 +140,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
                      scale: float) -> torch.Tensor:
-    """One query's attention: ``q`` ``[H, D]`` float32 over float32 keys and
-    values ``[capacity, Hkv, D]`` at the ring slots ``runs`` names (``(slot,
-    count)`` pairs, every position visible: no mask); ``[H, D]`` float32.
-    Each K and V row is read once; D a multiple of 16."""
+    """One query's attention: ``q`` ``[H, D]`` float32 over keys and values
+    ``[capacity, Hkv, D]`` (both float32 or both bfloat16) at the ring slots
+    ``runs`` names (``(slot, count)`` pairs, every position visible: no
+    mask); ``[H, D]`` float32. Each K and V row is read once; D a multiple
+    of 16."""
     flat = [int(i) for run in runs for i in run]
     return kernels().attention_decode(q.contiguous(), k, v, flat, scale)

@@ -32,6 +32,7 @@ namespace strata_cpu {
 namespace {
 
 constexpr int64_t kAttentionChunk = 128;  // positions per task (a multiple of kLanes)
+constexpr int64_t kPrefetchAhead = 16;     // positions
 
 template <class V>
 void load_row(const V* src, float* dst, int64_t n) {
@@ -162,8 +163,19 @@ template <int G, class KV>
 void attend_chunk(const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len, int64_t Hkv,
                   int64_t hk, int64_t h0, int64_t D, float scale, float* p, float* max_out, float* sum_out,
                   float* acc_out) {
-  // Scores: each key row is loaded once for the G query heads.
+  // Scores: each key row is loaded once for the G query heads. The K and V
+  // rows a few positions ahead are prefetched (both: the value pass below
+  // then finds the chunk in cache); from memory, the hardware prefetcher
+  // alone left this at a third of the read bandwidth.
+  const int64_t row_bytes = D * int64_t(sizeof(KV));
   for (int64_t j = 0; j < len; ++j) {
+    if (j + kPrefetchAhead < len) {
+      const int64_t ahead = (slots[j + kPrefetchAhead] * Hkv + hk) * D;
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + ahead) + off);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + ahead) + off);
+      }
+    }
     const KV* key = k + (slots[j] * Hkv + hk) * D;
     Lanes dot[G];
     for (int g = 0; g < G; ++g) dot[g] = Lanes::zero();

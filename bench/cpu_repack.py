@@ -1,0 +1,123 @@
+"""torch's packed CPU matmuls against the kernels that read GGUF blocks, on
+the default model's own weights: would a repack at load time win?
+
+    python bench/cpu_repack.py [--threads 2] [--rows 1,512]
+
+For each kind of weight (each layer matrix taken from all 18 layers in turn,
+so that it is read from memory, as in a decode step), milliseconds per
+matmul with bfloat16 activations of:
+
+- ``gguf``: what the fast path runs: the GEMV on the GGUF blocks for
+  M <= CPU_GEMV_MAX_M, else slabs dequantized to bfloat16 for torch's GEMM;
+- ``int8pack``: ``torch._weight_int8pack_mm`` on a per-channel int8 repack
+  (one scale per output row: lossy, since GGUF scales are per 16 or 32 weights);
+- ``int4pack``: ``torch._weight_int4pack_mm_for_cpu`` (groups of 32, a scale
+  and a zero each) on a repack of the Q4_K layers only: Q4_K's sub-blocks map
+  onto it exactly but for the scales and zeros, which it keeps in bfloat16.
+
+Each repack's error is its weights' RMS difference from the GGUF values,
+relative to their RMS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from strata_kernels import QuantTensor, cpu_kernels
+from strata_kernels.launch import CPU_GEMV_MAX_M
+from strata_runtime.default_model import default_model_path
+from strata_runtime.gguf_file import GGUFFile
+
+KINDS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+
+
+def timed(fn, repeats: int = 5) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(1).clamp_min(1e-12) / 127
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale.bfloat16()
+
+
+def q4_k_codes_scales(qt: QuantTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks -> codes [N, K] (0..15), scale and min [N, K/32], w = scale*q - min."""
+    blocks = qt.data.numpy().reshape(qt.rows, -1, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    s = blocks[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = blocks[..., 16:].reshape(qt.rows, -1, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(qt.rows, -1)  # per 64: low nibbles, then high
+    return codes.astype(np.int32), (d * sc).reshape(qt.rows, -1), (dmin * mn).reshape(qt.rows, -1)
+
+
+def int4_pack(qt: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's int4 layout, w = (q - 8) * scale + zero, so zero = 8 * scale - min."""
+    codes, scale, minv = q4_k_codes_scales(qt)
+    packed = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes), 1)
+    scale_zeros = torch.from_numpy(np.stack([scale, 8 * scale - minv], -1)).transpose(0, 1).contiguous().bfloat16()
+    w = (torch.from_numpy(codes).float().reshape(qt.rows, -1, 32) - 8) * scale_zeros[..., 0].T.float()[..., None] \
+        + scale_zeros[..., 1].T.float()[..., None]
+    return packed, scale_zeros, w.reshape(qt.rows, qt.cols)
+
+
+def relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,512")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels did not build: {cpu_kernels.build_error()}")
+    gguf = GGUFFile.open(default_model_path())
+    print(f"# {platform.machine()}, torch {torch.__version__}, {args.threads} threads; ms per matmul, "
+          "bfloat16 activations; repack error = RMS(w - w_gguf) / RMS(w_gguf)")
+    print("| weight | types | M | gguf | int8pack | int8 error | int4pack (Q4_K layers) | int4 error |")
+    print("|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        weights = [gguf.tensor(f"blk.{i}.{kind}.weight") for i in range(gguf.config.block_count)]
+        exact = [cpu_kernels.dequantize_cpu(w, torch.float32) for w in weights]
+        int8 = [int8_per_channel(w) for w in exact]
+        int8_error = sum(relative_rms(c.float() * s.float()[:, None], w) for (c, s), w in zip(int8, exact)) / len(exact)
+        q4 = [i for i, w in enumerate(weights) if w.qtype == T.Q4_K]
+        int4 = {i: int4_pack(weights[i]) for i in q4}
+        int4_error = sum(relative_rms(int4[i][2], exact[i]) for i in q4) / len(q4) if q4 else float("nan")
+        types = "/".join(sorted({w.qtype.name for w in weights}))
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, weights[0].cols, generator=g).bfloat16()
+
+            def each(fn, which):
+                return lambda: [fn(i) for i in which]
+
+            everyone = range(len(weights))
+            gguf_ms = timed(each(lambda i: cpu_kernels.qmatmul_cpu(x, weights[i]), everyone)) / len(weights)
+            int8_ms = timed(each(lambda i: torch._weight_int8pack_mm(x, *int8[i]), everyone)) / len(weights)
+            int4_ms = (timed(each(lambda i: torch._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]), q4))
+                       / len(q4) if q4 else float("nan"))
+            q4_gguf = (f" (gguf on the same layers {timed(each(lambda i: cpu_kernels.qmatmul_cpu(x, weights[i]), q4)) / len(q4):.3f})"
+                       if q4 else "")
+            print(f"| {kind} {weights[0].rows}x{weights[0].cols} | {types} | {m} | {gguf_ms:.3f} | {int8_ms:.3f} | "
+                  f"{int8_error:.4f} | {int4_ms:.3f}{q4_gguf} | {int4_error:.4f} |")
+    print(f"(gguf: the GEMV up to M={CPU_GEMV_MAX_M}, slabs of bfloat16 for torch's GEMM above)")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_runtime.sampling import Sampler, SamplingParams, apply_penalties
+from strata_runtime.sampling import Sampler, SamplingParams, apply_penalties, draw, reachable_head
 from strata_runtime.text_stream import StopTextStream
 
 
@@ -51,6 +51,39 @@ def test_seed_reproduces_and_different_seeds_differ():
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def _kept_by_full_sort(logits: torch.Tensor, p: SamplingParams) -> list[int]:
+    """top-p then min-p over the whole vocabulary, sorted: what the filters keep."""
+    values, ids = torch.sort(logits, descending=True)
+    probs = torch.softmax(values.double(), -1)
+    keep = int(((torch.cumsum(probs, -1) - probs) < p.top_p).sum()) if p.top_p < 1.0 else len(ids)
+    if p.min_p > 0.0:
+        keep = min(keep, int((probs >= p.min_p * probs[0]).sum()))
+    return ids[:keep].tolist()
+
+
+@pytest.mark.parametrize("spread", [1.0, 8.0])  # a flat distribution (a wide nucleus) and a peaked one
+@pytest.mark.parametrize("top_p,min_p", [(0.9, 0.0), (0.5, 0.0), (1.0, 0.05), (0.95, 0.05)])
+def test_without_top_k_no_full_sort_misses_a_token(spread, top_p, min_p):
+    """top_k=0 sorts only the head of the vocabulary: every token the filters
+    keep (by a full sort) is in it, in order."""
+    logits = torch.randn(262144, generator=torch.Generator().manual_seed(5)) * spread
+    p = SamplingParams(top_k=0, top_p=top_p, min_p=min_p)
+    head, ids = reachable_head(logits, torch.logsumexp(logits, -1), p)
+    kept = _kept_by_full_sort(logits, p)
+    # The same tokens with the same logits in the same order (equal logits may come in either order).
+    assert set(ids[:len(kept)].tolist()) == set(kept)
+    assert torch.equal(head[:len(kept)], logits[kept])
+    assert torch.equal(head, logits[ids]) and bool((head[:-1] >= head[1:]).all())
+
+
+def test_draw_follows_the_probabilities():
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
+    generator = torch.Generator().manual_seed(11)
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(4000)]), minlength=4)
+    assert counts[2] == 0  # a zero-probability token is never drawn
+    assert torch.allclose(counts.double() / 4000, probs.double(), atol=0.03)
 
 
 def test_repetition_penalty_divides_positive_multiplies_negative():

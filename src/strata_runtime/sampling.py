@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -74,15 +75,17 @@ class Sampler:
         logits = apply_penalties(logits.float().cpu(), history, p)
         if p.greedy:
             return int(torch.argmax(logits))
-        candidates = torch.arange(logits.shape[0])
+        log_total = None  # log of the softmax denominator when candidates are not the whole support
         if 0 < p.top_k < logits.shape[0]:
             logits, candidates = torch.topk(logits, p.top_k)
+        elif p.top_p < 1.0 or p.min_p > 0.0:
+            log_total = torch.logsumexp(logits, dim=-1)
+            logits, candidates = reachable_head(logits, log_total, p)
         else:
-            logits, order = torch.sort(logits, descending=True)
-            candidates = candidates[order]
+            candidates = torch.arange(logits.shape[0])  # every token, unsorted: nothing below needs the order
         # From here on, candidates are sorted by logit, highest first.
         if p.top_p < 1.0:
-            probs = torch.softmax(logits, dim=-1)
+            probs = torch.softmax(logits, dim=-1) if log_total is None else torch.exp(logits - log_total)
             before = torch.cumsum(probs, dim=-1) - probs
             keep = int((before < p.top_p).sum())
             logits, candidates = logits[:keep], candidates[:keep]
@@ -91,8 +94,36 @@ class Sampler:
             keep = int((probs >= p.min_p * probs[0]).sum())
             logits, candidates = logits[:keep], candidates[:keep]
         probs = torch.softmax(logits / p.temperature, dim=-1)
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(candidates[choice])
+        return int(candidates[draw(probs, self.generator)])
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn with probability ``probs[i]`` (summing to 1 up to
+    rounding) by inverse CDF from one uniform number: O(n), where
+    ``torch.multinomial`` over the whole vocabulary takes 5 ms."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand((), generator=generator) * cdf[-1]
+    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn.
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
+def reachable_head(logits: torch.Tensor, log_total: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The highest logits, sorted, and their token ids: every token top-p and
+    min-p can keep when top-k is off, without sorting the whole vocabulary
+    (262K logits take 21 ms to sort, against under 1 ms for the rest of a
+    draw). min-p keeps only logits within ``log(min_p)`` of the best; top-p
+    nothing past the first ``k`` once their probabilities (``exp(logit -
+    log_total)``, over the whole vocabulary) reach ``top_p``."""
+    n = logits.shape[0]
+    limit = n
+    if p.min_p > 0.0:
+        limit = int((logits >= logits.max() + math.log(p.min_p)).sum())
+    k = min(256, limit)
+    while True:
+        head, ids = torch.topk(logits, k)
+        if k == limit or (p.top_p < 1.0 and float(torch.exp(head - log_total).sum()) >= p.top_p):
+            return head, ids
+        k = min(4 * k, limit)
 
 
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], p: SamplingParams) -> torch.Tensor:

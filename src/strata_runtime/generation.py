@@ -22,7 +22,7 @@ def forward_chunks(model, cache: KVCache, tokens: Sequence[int], last_only: bool
         logits = model(ids, positions, cache, last_only=last_only)
         if not last_only or c0 + PREFILL_CHUNK >= len(tokens):
             outputs.append(logits)
-    return torch.cat(outputs)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # a decode step: no 1 MB copy
 
 
 def prefill(model, cache: KVCache, tokens: Sequence[int]) -> torch.Tensor:

@@ -114,8 +114,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if self.cpu_kernel:
-            if rope is not None:
-                rope = (rope[0].float(), rope[1].float())
             return cpu_kernels.rms_norm(x, self.weight, self.eps, residual, rope)
         y = F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
         if rope is not None:

@@ -92,7 +92,8 @@ class Attention(nn.Module):
         a = self.args
         t = x.shape[0]
         q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
-        rope = self.rope.tables(positions, self.inv_freq, q.dtype)
+        # The CPU kernel's norm takes float32 tables (and applies them in float32).
+        rope = self.rope.tables(positions, self.inv_freq, torch.float32 if self.q_norm.cpu_kernel else q.dtype)
         q = self.q_norm(q.view(t, a.n_heads, a.head_dim), rope=rope)
         k = self.k_norm(k.view(t, a.n_kv_heads, a.head_dim), rope=rope)
         v = v.view(t, a.n_kv_heads, a.head_dim)

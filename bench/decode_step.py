@@ -1,0 +1,108 @@
+"""Where a CPU decode step's time goes, on the default model's fast path.
+
+    python bench/decode_step.py [--threads 2] [--context 2000] [--steps 64]
+
+Prefills ``--context`` tokens, then times ``--steps`` decode steps, with each
+kind of compiled-kernel call timed as it happens: the output head's GEMV,
+the layers' GEMVs, attention, and the norms (RMSNorm with its RoPE and
+residual add). What is left is Python and torch glue (embedding lookup, KV
+writes, reshapes, GELU). Then the sampler on the last step's logits, for
+each kind of sampling setting, and the argmax a greedy step costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import long_prompt_ids  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import strata_runtime
+    from strata_kernels import cpu_kernels
+    from strata_runtime.generation import decode_step, prefill
+    from strata_runtime.sampling import Sampler, SamplingParams
+
+    engine = strata_runtime.load(dtype="bfloat16", progress=False, conversation_cache_mib=0,
+                                 context_length=args.context + args.steps + 8)
+    head = engine.model.embedding.out.qweight
+    spent: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+
+    def timed(name_of, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            name = name_of(*a)
+            spent[name] += time.perf_counter() - t0
+            calls[name] += 1
+            return out
+        return wrapper
+
+    # The module's functions are looked up at call time, so wrapping them here
+    # times every call the model makes.
+    cpu_kernels.gemv = timed(lambda x, qt: "head GEMV" if qt is head else "layer GEMVs", cpu_kernels.gemv)
+    cpu_kernels.gemv_many = timed(lambda *a: "layer GEMVs", cpu_kernels.gemv_many)
+    cpu_kernels.attention_decode = timed(lambda *a: "attention", cpu_kernels.attention_decode)
+    cpu_kernels.rms_norm = timed(lambda *a: "norms (+RoPE, residual)", cpu_kernels.rms_norm)
+
+    prompt = long_prompt_ids(engine, args.context)
+    cache = engine.model.new_cache(len(prompt) + args.steps + 8)  # 4 warm-up steps too
+    with torch.inference_mode():
+        logits = prefill(engine.model, cache, prompt)
+        token = int(logits.argmax())
+        for _ in range(4):  # warm-up
+            token = int(decode_step(engine.model, cache, token).argmax())
+        spent.clear()
+        calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            logits = decode_step(engine.model, cache, token)
+            token = int(logits.argmax())
+        total = (time.perf_counter() - t0) / args.steps
+
+    print(f"decode step at {args.context} tokens of context, {args.threads} threads, "
+          f"mean of {args.steps} steps: {total * 1e3:.2f} ms ({1 / total:.1f} tokens/s)")
+    print(f"{'part':<26} {'ms/token':>9} {'calls/token':>12} {'share':>6}")
+    for name, seconds in spent.most_common():
+        per = seconds / args.steps
+        print(f"{name:<26} {per * 1e3:>9.2f} {calls[name] / args.steps:>12.0f} {per / total:>6.0%}")
+    rest = total - sum(spent.values()) / args.steps
+    print(f"{'the rest (Python, glue)':<26} {rest * 1e3:>9.2f} {'':>12} {rest / total:>6.0%}")
+
+    print("\nsampling from the last step's logits (262,144 of them), ms per token:")
+    history = prompt[-64:]
+    settings = {
+        "greedy (temperature 0)": SamplingParams(temperature=0),
+        "defaults (top-k 40, top-p 0.95, min-p 0.05)": SamplingParams(seed=0),
+        "top-k off, top-p 0.95, min-p 0.05": SamplingParams(seed=0, top_k=0),
+        "top-k off, top-p 0.9 only": SamplingParams(seed=0, top_k=0, min_p=0.0, top_p=0.9),
+        "top-k off, no filter": SamplingParams(seed=0, top_k=0, min_p=0.0, top_p=1.0),
+        "defaults + repetition/presence penalties": SamplingParams(seed=0, repetition_penalty=1.1,
+                                                                   presence_penalty=0.5),
+    }
+    for name, params in settings.items():
+        sampler = Sampler(params)
+        sampler(logits, history)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            sampler(logits, history)
+        print(f"  {name:<45} {(time.perf_counter() - t0) / 20 * 1e3:.2f}")
+
+
+if __name__ == "__main__":
+    main()

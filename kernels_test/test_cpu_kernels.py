@@ -204,7 +204,26 @@ def test_decode_ops_bad_input_is_clear():
         cpu_kernels.rms_norm(x, torch.ones(64), 1e-6, rope=(torch.ones(3, 1, 64), torch.ones(3, 1, 64)))
     k = torch.zeros(10, 1, 40)
     with pytest.raises(RuntimeError, match="head dim 40 is not a multiple of 16"):
-        cpu_kernels.attention_decode(torch.zeros(2, 40), k, k, [(0, 3)], 1.0)
+        cpu_kernels.attention_decode(torch.zeros(2, 40), k, k, 2, None, 1.0)
     k = torch.zeros(10, 1, 64)
-    with pytest.raises(RuntimeError, match=r"run \(8, 3\) is outside 10 slots"):
-        cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, [(8, 3)], 1.0)
+    with pytest.raises(RuntimeError, match="position 12 sees 13 positions, more than the 10 slots hold"):
+        cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, 12, None, 1.0)
+    with pytest.raises(RuntimeError, match="new_k and new_v must hold 1 x 64 values"):
+        cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, 3, None, 1.0, torch.zeros(2, 64), torch.zeros(2, 64))
+    with pytest.raises(RuntimeError, match="gate and up must be float32 or bfloat16 tensors of one shape and dtype"):
+        cpu_kernels.gelu_tanh_mul(torch.zeros(3), torch.zeros(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 100)])  # 100: a tail past the SIMD lanes
+def test_gelu_tanh_mul_matches_float64(dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    gate = (torch.randn(shape, generator=g) * 4).to(dtype)
+    gate.view(-1)[:4] = torch.tensor([30.0, -30.0, 0.0, -1e-3])  # saturated both ways, zero, tiny
+    up = torch.randn(shape, generator=g).to(dtype)
+    actual = cpu_kernels.gelu_tanh_mul(gate, up)
+    expected = torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()
+    assert actual.shape == gate.shape and actual.dtype == dtype
+    rtol = 1e-5 if dtype == torch.float32 else 2.0**-8
+    assert torch.allclose(actual.double(), expected, rtol=rtol, atol=1e-6), \
+        report_mismatch(actual.float(), expected.float(), atol=1e-6)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import report_mismatch
 
-from strata_kernels import KVStore, attention, kv_read, kv_write, kv_write_consecutive
+from strata_kernels import KVStore, attention, kv_read, kv_write, kv_write_consecutive, write_and_attend
 from strata_kernels.kv_quant import bytes_per_token, hadamard
 from strata_kernels.reference import kv_dequantize
 
@@ -187,3 +187,33 @@ def test_cpu_decode_over_bfloat16_storage(window):
     by_torch = attention(q, store, context - 1, window, d**-0.5, backend="torch")
     by_cpu = attention(q, store, context - 1, window, d**-0.5, backend="cpu")
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 24])
+def test_write_and_attend_in_one_call_equals_write_then_attend(storage, window):
+    """The CPU kernel writes a decode step's key and value into its ring slot
+    and attends, in one call: the same cache and the same output as a write
+    and the torch attention, across the ring's wrap."""
+    hkv, group, d, capacity = 2, 4, 64, 40
+    one = KVStore.allocate("f16", capacity, hkv, d, float_dtype=storage)
+    two = KVStore.allocate("f16", capacity, hkv, d, float_dtype=storage)
+    keys, values = _rand(100, hkv, d, seed=13), _rand(100, hkv, d, seed=14)
+    kv_write_consecutive(one, 0, keys[:30], values[:30])
+    kv_write_consecutive(two, 0, keys[:30], values[:30])
+    for pos in range(30, 100 if window else capacity):  # a full-attention layer never wraps
+        q = _rand(1, hkv * group, d, seed=pos)
+        fused = write_and_attend(q, keys[pos:pos + 1], values[pos:pos + 1], one, pos, window, 0.125, backend="cpu")
+        kv_write_consecutive(two, pos, keys[pos:pos + 1], values[pos:pos + 1])
+        apart = attention(q, two, pos, window, 0.125, backend="torch")
+        assert all(torch.equal(a, b) for a, b in zip(store_tensors(one), store_tensors(two)))
+        assert torch.allclose(fused, apart, atol=2e-5), report_mismatch(fused, apart, 2e-5)
+
+
+def test_write_and_attend_other_formats_write_then_attend():
+    store, twin = KVStore.allocate("int8", 16, 1, 64), KVStore.allocate("int8", 16, 1, 64)
+    keys, values, q = _rand(1, 1, 64, seed=1), _rand(1, 1, 64, seed=2), _rand(1, 4, 64, seed=3)
+    out = write_and_attend(q, keys, values, store, 0, None, 0.125, backend="cpu")
+    kv_write(twin, torch.arange(1), keys, values)
+    assert all(torch.equal(a, b) for a, b in zip(store_tensors(store), store_tensors(twin)))
+    assert torch.allclose(out, attention(q, twin, 0, None, 0.125, backend="torch"), atol=2e-5)

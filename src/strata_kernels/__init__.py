@@ -6,7 +6,7 @@ interpreter can still be switched on, and the package imports where triton is
 not installed).
 """
 
-from .attention import attention
+from .attention import attention, write_and_attend
 from .dequant import SUPPORTED_TYPES, dequantize
 from .formats import BlockFormat, block_format
 from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecutive
@@ -18,6 +18,7 @@ __all__ = [
     "KV_FORMATS",
     "KVStore",
     "attention",
+    "write_and_attend",
     "kv_read",
     "kv_write",
     "kv_write_consecutive",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_quant import KVStore, hadamard
+from .kv_quant import KVStore, hadamard, kv_write_consecutive
 from .launch import attention_settings, resolve_backend
 
 
@@ -25,16 +25,12 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     if start < 0 or t < 1:
         raise ValueError(f"need at least one query at a position >= 0, got T={t}, start={start}")
     chosen = resolve_backend(q.device, backend)
-    float_storage = store.fmt == "f16" and store.k.dtype in (torch.float32, torch.bfloat16)
-    if chosen == "cpu" and t == 1 and float_storage and d % 16 == 0:
+    if chosen == "cpu" and _cpu_decode(q, store):
         # A decode step over float32 or bfloat16 storage: the compiled kernel,
         # reading the visible ring slots in place (the window's first position on).
         from . import cpu_kernels
-        from .reference import slot_runs
 
-        first = 0 if window is None else max(0, start - window + 1)
-        runs = [(slot, n) for _, slot, n in slot_runs(first, start + 1, store.capacity)]
-        return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, runs, scale).reshape(1, h, d)
+        return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, start, window, scale).reshape(1, h, d)
     if chosen in ("torch", "cpu"):  # the CPU kernel covers the decode case above only
         from .reference import attention as attention_torch
 
@@ -46,3 +42,26 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     if store.fmt == "k8v4":
         out = out @ hadamard(d, out.device)
     return out
+
+
+def _cpu_decode(q: torch.Tensor, store: KVStore) -> bool:
+    """Whether the CPU kernel covers this call: one query over float32 or
+    bfloat16 f16-format storage, a head dim that is a multiple of 16."""
+    return (q.shape[0] == 1 and store.fmt == "f16" and store.k.dtype in (torch.float32, torch.bfloat16)
+            and store.head_dim % 16 == 0)
+
+
+def write_and_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, store: KVStore, start: int,
+                     window: int | None, scale: float, backend: str = "auto") -> torch.Tensor:
+    """``kv_write_consecutive(store, start, keys, values)`` then ``attention(q,
+    store, start, window, scale)``: a layer's step. On the CPU kernel's decode
+    case the two are one call (the kernel writes the row it is about to read)."""
+    cpu = resolve_backend(q.device, backend) == "cpu"
+    if cpu and _cpu_decode(q, store) and keys.shape == values.shape == (1, store.kv_heads, store.head_dim):
+        from . import cpu_kernels
+
+        h, d = q.shape[1], q.shape[2]
+        return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, start, window, scale,
+                                            keys, values).reshape(1, h, d)
+    kv_write_consecutive(store, start, keys, values, backend)
+    return attention(q, store, start, window, scale, backend)

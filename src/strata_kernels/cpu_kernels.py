@@ -138,12 +138,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return kernels().rms_norm(x.contiguous(), weight, eps, residual, cos, sin)
 
 
-def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]],
-                     scale: float) -> torch.Tensor:
-    """One query's attention: ``q`` ``[H, D]`` float32 over keys and values
-    ``[capacity, Hkv, D]`` (both float32 or both bfloat16) at the ring slots
-    ``runs`` names (``(slot, count)`` pairs, every position visible: no
-    mask); ``[H, D]`` float32. Each K and V row is read once; D a multiple
-    of 16."""
-    flat = [int(i) for run in runs for i in run]
-    return kernels().attention_decode(q.contiguous(), k, v, flat, scale)
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, window: int | None,
+                     scale: float, new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
+    """One query at ``position``: ``q`` ``[H, D]`` float32 over a ring of keys
+    and values ``[capacity, Hkv, D]`` (both float32 or both bfloat16; position
+    p in slot ``p % capacity``), every position from ``max(0, position -
+    window + 1)`` (0 without a window) on; ``[H, D]`` float32. With ``new_k``
+    and ``new_v`` (``[1, Hkv, D]``), the query's own key and value are written
+    into its slot first. Each K and V row is read once; D a multiple of 16."""
+    return kernels().attention_decode(q.contiguous(), k, v, position, window, scale, new_k, new_v)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` (float32 or bfloat16, one shape
+    and dtype) in one call, float32 inside, rounded once."""
+    return kernels().gelu_tanh_mul(gate, up)

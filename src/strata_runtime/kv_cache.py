@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive
+from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive, write_and_attend
 from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 
 # Prefill runs in chunks of at most this many tokens, so a sliding-window
@@ -64,15 +64,24 @@ class KVCache:
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize-on-write ``[T, Hkv, D]`` keys/values at positions ``start..start+T-1``."""
-        end = start + keys.shape[0]
+        self._check_write(start, keys.shape[0])
+        kv_write_consecutive(self.stores[layer], start, keys, values)
+
+    def write_and_attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                         scale: float, backend: str = "auto") -> torch.Tensor:
+        """``write`` then ``attend``: a layer's step, one kernel call where the
+        CPU kernels cover it (a decode step)."""
+        self._check_write(start, keys.shape[0])
+        return write_and_attend(q, keys, values, self.stores[layer], start, self.windows[layer], scale, backend)
+
+    def _check_write(self, start: int, n: int) -> None:
         if start != self.length:
             raise ValueError(f"cache holds {self.length} positions; cannot write at {start}")
-        if end > self.max_tokens:
+        if start + n > self.max_tokens:
             raise ValueError(
-                f"the sequence needs {end} positions but the cache holds {self.max_tokens}; "
+                f"the sequence needs {start + n} positions but the cache holds {self.max_tokens}; "
                 f"load the model with a larger context_length"
             )
-        kv_write_consecutive(self.stores[layer], start, keys, values)
 
     def attend(self, layer: int, q: torch.Tensor, start: int, scale: float, backend: str = "auto") -> torch.Tensor:
         """Attention of queries ``[T, H, D]`` at ``start..`` over this layer

@@ -160,5 +160,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up``, the gated MLP's middle: one
+    kernel call on the CPU fast path (bfloat16 on the CPU, kernels built),
+    two torch ops otherwise."""
+    if gate.dtype == torch.bfloat16 and gate.device.type == "cpu" and cpu_kernels.available():
+        return cpu_kernels.gelu_tanh_mul(gate, up)
+    return F.gelu(gate, approximate="tanh") * up

@@ -9,7 +9,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &strata_cpu::rms_norm, "RMSNorm, optionally then RoPE and a residual add", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), py::arg("cos") = py::none(),
         py::arg("sin") = py::none());
-  m.def("attention_decode", &strata_cpu::attention_decode, "one query's attention over float32 K/V slot runs",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("runs"), py::arg("scale"));
+  m.def("attention_decode", &strata_cpu::attention_decode,
+        "one query's attention over a float32 or bfloat16 K/V ring, after writing its own key and value",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("position"), py::arg("window"), py::arg("scale"),
+        py::arg("new_k") = py::none(), py::arg("new_v") = py::none());
+  m.def("gelu_tanh_mul", &strata_cpu::gelu_tanh_mul, "gelu_tanh(gate) * up, in float32 inside",
+        py::arg("gate"), py::arg("up"));
   m.attr("max_m") = strata_cpu::kMaxM;
 }

@@ -19,7 +19,9 @@ void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor ou
 // decode_cpu.cpp: the small operations of a decode step.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual,
                        std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin);
-torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> runs,
-                               double scale);
+torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t position,
+                               std::optional<int64_t> window, double scale, std::optional<torch::Tensor> new_k,
+                               std::optional<torch::Tensor> new_v);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up);
 
 }  // namespace strata_cpu

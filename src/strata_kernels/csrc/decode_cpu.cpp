@@ -10,11 +10,16 @@
 //       then, with residual (x's shape and dtype), residual + y.
 //       Computed in float32 and rounded to x's dtype once.
 //
-//   attention_decode(q [H, D] float32, k, v [capacity, Hkv, D] float32,
-//                    runs [slot, count, slot, count, ...], scale) -> [H, D] float32
-//       One query's softmax(q k^T * scale) v over the positions the runs
-//       name (runs of ring slots, oldest first), grouped-query (query head h
-//       reads KV head h / (H / Hkv)). The positions are split in chunks
+//   gelu_tanh_mul(gate, up [...] float32|bfloat16, one dtype) -> gate's shape and dtype
+//       gelu_tanh(gate) * up, the gated MLP's middle, in float32 and rounded once.
+//
+//   attention_decode(q [H, D] float32, k, v [capacity, Hkv, D] float32|bfloat16,
+//                    position, window?, scale, new_k?, new_v?) -> [H, D] float32
+//       One query at `position`: first (if given) its own key and value
+//       ([Hkv, D] or [1, Hkv, D]) are written into slot position % capacity;
+//       then softmax(q k^T * scale) v over positions max(0, position -
+//       window + 1)..position, in slots p % capacity (a ring), grouped-query
+//       (query head h reads KV head h / (H / Hkv)). The positions are split in chunks
 //       across threads, each with its own max and sum, merged by
 //       log-sum-exp: each K and V row is read once.
 
@@ -223,8 +228,9 @@ void attend_chunk_any(int G, const float* q, const KV* k, const KV* v, const int
 
 }  // namespace
 
-torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> runs,
-                               double scale) {
+torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t position,
+                               std::optional<int64_t> window, double scale, std::optional<torch::Tensor> new_k,
+                               std::optional<torch::Tensor> new_v) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(),
               "q must be contiguous float32 [H, D]");
   TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
@@ -235,13 +241,18 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(k.size(2) == D && H % Hkv == 0, "q [", H, ", ", D, "] does not fit K/V of ", Hkv, " heads of dim ",
               k.size(2));
   TORCH_CHECK(D % kLanes == 0, "head dim ", D, " is not a multiple of ", kLanes);
-  TORCH_CHECK(runs.size() % 2 == 0 && !runs.empty(), "runs must be (slot, count) pairs");
-  std::vector<int64_t> slots;
-  for (size_t i = 0; i < runs.size(); i += 2) {
-    TORCH_CHECK(runs[i] >= 0 && runs[i + 1] > 0 && runs[i] + runs[i + 1] <= capacity, "run (", runs[i], ", ",
-                runs[i + 1], ") is outside ", capacity, " slots");
-    for (int64_t j = 0; j < runs[i + 1]; ++j) slots.push_back(runs[i] + j);
+  const int64_t first = window ? std::max<int64_t>(0, position - *window + 1) : 0;
+  TORCH_CHECK(position >= 0 && position - first < capacity, "position ", position, " sees ", position - first + 1,
+              " positions, more than the ", capacity, " slots hold");
+  TORCH_CHECK(new_k.has_value() == new_v.has_value(), "give both new_k and new_v, or neither");
+  if (new_k) {  // the query's own key and value first, into its slot
+    for (const torch::Tensor& t : {*new_k, *new_v})
+      TORCH_CHECK(t.numel() == Hkv * D, "new_k and new_v must hold ", Hkv, " x ", D, " values");
+    k.select(0, position % capacity).copy_(new_k->reshape({Hkv, D}));
+    v.select(0, position % capacity).copy_(new_v->reshape({Hkv, D}));
   }
+  std::vector<int64_t> slots;
+  for (int64_t p = first; p <= position; ++p) slots.push_back(p % capacity);
   const int64_t n = int64_t(slots.size()), G = H / Hkv;
   const int64_t chunks = (n + kAttentionChunk - 1) / kAttentionChunk;
   // Tasks: (chunk, KV head, group of up to kMaxGroup of its query heads).
@@ -284,6 +295,57 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
       for (int64_t d = 0; d < D; ++d) o[h * D + d] += w * chunk_acc[(c * H + h) * D + d];
     }
     for (int64_t d = 0; d < D; ++d) o[h * D + d] /= total;
+  }
+  return out;
+}
+
+namespace {
+
+// gelu_tanh(g) * u = g * (1 - 1 / (e + 1)) * u with e = exp(2 sqrt(2/pi) (g + 0.044715 g^3)):
+// 0.5 g (1 + tanh(y)) with tanh(y) = 1 - 2 / (exp(2y) + 1), which stays finite
+// at both ends (e = inf gives g, e = 0 gives 0).
+template <class V>
+void gelu_tanh_mul_range(const V* gate, const V* up, V* out, int64_t i0, int64_t i1) {
+  constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;
+  alignas(64) float g[kLanes], e[kLanes], y[kLanes];
+  for (int64_t i = i0; i < i1; i += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, i1 - i);
+    for (int64_t j = 0; j < n; ++j) {
+      g[j] = float(gate[i + j]);
+      e[j] = kTwoSqrt2OverPi * (g[j] + 0.044715f * g[j] * g[j] * g[j]);
+    }
+    if (n == kLanes) {
+      Lanes::load(e).exp().store(e);
+    } else {
+      for (int64_t j = 0; j < n; ++j) e[j] = std::exp(e[j]);
+    }
+    for (int64_t j = 0; j < n; ++j) y[j] = g[j] * (1.0f - 1.0f / (e[j] + 1.0f)) * float(up[i + j]);
+    store_row(y, out + i, n);
+  }
+}
+
+}  // namespace
+
+torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
+                  (gate.scalar_type() == torch::kFloat32 || gate.scalar_type() == torch::kBFloat16),
+              "gate and up must be float32 or bfloat16 tensors of one shape and dtype");
+  gate = gate.contiguous();
+  up = up.contiguous();
+  torch::Tensor out = torch::empty_like(gate);
+  const int64_t n = gate.numel();
+  // Whole lanes per task, so that only the last one has a tail.
+  const int64_t grain = 16384;
+  if (gate.scalar_type() == torch::kFloat32) {
+    at::parallel_for(0, (n + kLanes - 1) / kLanes, grain / kLanes, [&](int64_t b0, int64_t b1) {
+      gelu_tanh_mul_range(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), b0 * kLanes,
+                          std::min(n, b1 * kLanes));
+    });
+  } else {
+    at::parallel_for(0, (n + kLanes - 1) / kLanes, grain / kLanes, [&](int64_t b0, int64_t b1) {
+      gelu_tanh_mul_range(gate.data_ptr<c10::BFloat16>(), up.data_ptr<c10::BFloat16>(),
+                          out.data_ptr<c10::BFloat16>(), b0 * kLanes, std::min(n, b1 * kLanes));
+    });
   }
   return out;
 }

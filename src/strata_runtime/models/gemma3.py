@@ -16,7 +16,7 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import Linear, RMSNorm, RopeCache, TiedEmbedding, gelu_tanh, linears, rope_inverse_frequencies
+from ..layers import Linear, RMSNorm, RopeCache, TiedEmbedding, gelu_tanh_mul, linears, rope_inverse_frequencies
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,7 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(t, a.n_heads, a.head_dim), rope=rope)
         k = self.k_norm(k.view(t, a.n_kv_heads, a.head_dim), rope=rope)
         v = v.view(t, a.n_kv_heads, a.head_dim)
-        start = int(positions[0])
-        cache.write(self.layer, start, k, v)
-        out = cache.attend(self.layer, q, start, a.attention_scale, self.attention_backend)
+        out = cache.write_and_attend(self.layer, q, k, v, int(positions[0]), a.attention_scale, self.attention_backend)
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 
@@ -113,7 +111,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linears(x, self.gate, self.up)
-        return self.down(gelu_tanh(gate) * up)
+        return self.down(gelu_tanh_mul(gate, up))
 
 
 class Block(nn.Module):

@@ -84,9 +84,10 @@ def main() -> None:
         from strata_kernels import cpu_kernels
 
         t0 = time.perf_counter()
-        built = cpu_kernels.available()
-        loads.append(f"CPU kernels: {'ready' if built else 'not built'} in {time.perf_counter() - t0:.1f} s "
-                     "(a compile on first use, then torch's cache)")
+        built = cpu_kernels.kernels()
+        what = f"{built.simd}{', bf16 dot product' if built.bf16_dot else ''}" if built else "not built"
+        loads.append(f"CPU kernels for -march={cpu_kernels.target()} ({what}): {time.perf_counter() - t0:.1f} s "
+                     "(a compile on first use, then torch's cache; STRATA_CPU_MARCH picks another target)")
     for dtype in args.dtypes.split(","):
         t0 = time.perf_counter()
         engines[f"strata {dtype}"] = strata_runtime.load(

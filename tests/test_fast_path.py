@@ -95,7 +95,7 @@ def test_fast_path_keeps_every_weight_as_gguf_blocks(fast, model_gguf):
     assert sum(m.qweight.nbytes for m in linears) == sum(
         model_gguf.tensor(n).nbytes for n in model_gguf.tensor_names() if model_gguf.tensor(n).qtype.name != "F32")
     assert fast.props()["dtype"] == "bfloat16"
-    assert fast.props()["cpu_kernels"] == "built"
+    assert fast.props()["cpu_kernels"].startswith("built for -march=native: ")
 
 
 def test_fast_path_falls_back_to_dense_bfloat16_for_a_type_the_kernels_do_not_read():

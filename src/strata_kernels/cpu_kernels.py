@@ -4,7 +4,10 @@ and the small operations of a decode step (``csrc/decode_cpu.cpp``).
 The C++ sources are compiled on first use with the machine's compiler, through
 ``torch.utils.cpp_extension`` (about 50 s on 2 cores, then cached by torch
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). It is
-built with ``-march=native``: it runs where it was built. Importing this
+built with ``-march=native``: it runs where it was built, with the widest SIMD
+the machine has (AVX-512 with AVX512_BF16, AVX2, or plain C++; the module's
+``simd`` says which). ``STRATA_CPU_MARCH=haswell`` (any ``-march`` value)
+builds for another target instead, in a build of its own. Importing this
 module builds nothing; ``available()`` says whether the build worked, and why
 not when it did not, and callers fall back to the torch path then.
 """
@@ -12,6 +15,8 @@ not when it did not, and callers fall back to the torch path then.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 from pathlib import Path
 
@@ -33,13 +38,20 @@ _module = None
 _error: str | None = None
 
 
+def target() -> str:
+    """The ``-march`` the kernels are built for: ``STRATA_CPU_MARCH``, default native."""
+    return os.environ.get("STRATA_CPU_MARCH", "native")
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
+    march = target()
+    name = "strata_cpu_kernels" if march == "native" else "strata_cpu_kernels_" + re.sub(r"\W", "_", march)
     # -ffp-contract=off: dequantize must round exactly as gguf-py does (no
     # fused multiply-adds unless the source asks for one).
-    return load(name="strata_cpu_kernels", sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+    return load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
+                extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 

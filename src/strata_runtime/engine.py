@@ -313,14 +313,19 @@ class Engine:
     # --- internals --------------------------------------------------------
 
     def _cpu_kernels_state(self) -> str:
-        """Whether the bfloat16 CPU path reads GGUF blocks ("built"), fell back
-        to dense weights because the kernels could not be built (the reason),
-        or does not use them ("unused": float32, or a GPU)."""
+        """Whether the bfloat16 CPU path reads GGUF blocks ("built for
+        -march=native: avx512, bf16 dot product"), fell back to dense weights
+        because the kernels could not be built (the reason), or does not use
+        them ("unused": float32, or a GPU)."""
         if self.config.dtype != "bfloat16" or self.model.device.type != "cpu":
             return "unused"
         from strata_kernels import cpu_kernels
 
-        return "built" if cpu_kernels.available() else f"not built: {cpu_kernels.build_error()}"
+        if not cpu_kernels.available():
+            return f"not built: {cpu_kernels.build_error()}"
+        built = cpu_kernels.kernels()
+        return (f"built for -march={cpu_kernels.target()}: {built.simd}"
+                + (", bf16 dot product" if built.bf16_dot else ""))
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in tokens]

@@ -1,5 +1,6 @@
 // The Python module of the CPU kernels (see cpu_kernels.h).
 #include "cpu_kernels.h"
+#include "lanes.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -16,4 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &strata_cpu::gelu_tanh_mul, "gelu_tanh(gate) * up, in float32 inside",
         py::arg("gate"), py::arg("up"));
   m.attr("max_m") = strata_cpu::kMaxM;
+  m.attr("simd") = strata_cpu::kSimd;  // the Lanes the kernels were built with
+  m.attr("bf16_dot") = strata_cpu::kBf16DotBuilt;
 }

@@ -40,9 +40,6 @@ namespace {
 
 constexpr int kPrefetchRows = 4;
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define STRATA_BF16_DOT 1  // see gemv_rows_bf16
-#endif
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;

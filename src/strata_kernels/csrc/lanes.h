@@ -18,6 +18,14 @@ namespace strata_cpu {
 
 constexpr int kLanes = 16;
 
+// The GEMV's bf16 dot-product loop (gguf_cpu.cpp, gemv_rows_bf16) needs these.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define STRATA_BF16_DOT 1
+constexpr bool kBf16DotBuilt = true;
+#else
+constexpr bool kBf16DotBuilt = false;
+#endif
+
 // e^x lane by lane through std::exp, where no SIMD exp is written.
 template <class L>
 L exp_each(const L& x) {
@@ -31,6 +39,7 @@ L exp_each(const L& x) {
 // registers, or a plain array the compiler may vectorize. (Compilers turn
 // int8 -> float vector conversions into 16 scalar ones unless told how.)
 #if defined(__AVX512F__)
+constexpr const char* kSimd = "avx512";
 struct Lanes {
   __m512 v;
   static Lanes zero() { return {_mm512_setzero_ps()}; }
@@ -67,6 +76,7 @@ struct Lanes {
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kSimd = "avx2";
 struct Lanes {
   __m256 lo, hi;
   static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -102,6 +112,7 @@ struct Lanes {
   Lanes exp() const { return exp_each(*this); }
 };
 #else
+constexpr const char* kSimd = "scalar";
 struct Lanes {
   float v[16];
   static Lanes zero() { return Lanes{}; }

@@ -32,7 +32,7 @@ from strata_runtime.gguf_file import GGUFFile
 KINDS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int = 5) -> float:
     fn()
     t0 = time.perf_counter()
     for _ in range(repeats):

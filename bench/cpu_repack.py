@@ -23,26 +23,16 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from cpu_matmul import KINDS, timed
 from strata_kernels import QuantTensor, cpu_kernels
 from strata_kernels.launch import CPU_GEMV_MAX_M
+from strata_kernels.reference import q4_k_parts
 from strata_runtime.default_model import default_model_path
 from strata_runtime.gguf_file import GGUFFile
-
-KINDS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
-
-
-def timed(fn, repeats: int = 5) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats * 1e3
 
 
 def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,26 +41,13 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale.bfloat16()
 
 
-def q4_k_codes_scales(qt: QuantTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K blocks -> codes [N, K] (0..15), scale and min [N, K/32], w = scale*q - min."""
-    blocks = qt.data.numpy().reshape(qt.rows, -1, 144)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    s = blocks[..., 4:16].astype(np.int32)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    qs = blocks[..., 16:].reshape(qt.rows, -1, 4, 32)
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(qt.rows, -1)  # per 64: low nibbles, then high
-    return codes.astype(np.int32), (d * sc).reshape(qt.rows, -1), (dmin * mn).reshape(qt.rows, -1)
-
-
 def int4_pack(qt: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch's int4 layout, w = (q - 8) * scale + zero, so zero = 8 * scale - min."""
-    codes, scale, minv = q4_k_codes_scales(qt)
-    packed = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes), 1)
-    scale_zeros = torch.from_numpy(np.stack([scale, 8 * scale - minv], -1)).transpose(0, 1).contiguous().bfloat16()
-    w = (torch.from_numpy(codes).float().reshape(qt.rows, -1, 32) - 8) * scale_zeros[..., 0].T.float()[..., None] \
-        + scale_zeros[..., 1].T.float()[..., None]
+    codes, scale, minv = (t.reshape(qt.rows, -1) for t in q4_k_parts(qt.data.reshape(-1, 144)))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    scale_zeros = torch.stack([scale, 8 * scale - minv], -1).transpose(0, 1).contiguous().bfloat16()  # [K/32, N, 2]
+    s, z = (scale_zeros[..., i].T.float()[..., None] for i in (0, 1))
+    w = (codes.float().reshape(qt.rows, -1, 32) - 8) * s + z
     return packed, scale_zeros, w.reshape(qt.rows, qt.cols)
 
 
@@ -104,16 +81,16 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, weights[0].cols, generator=g).bfloat16()
 
-            def each(fn, which):
-                return lambda: [fn(i) for i in which]
+            def ms_each(fn, which) -> float:
+                """Milliseconds per matmul of ``fn(i)`` over the layers ``which``."""
+                return timed(lambda: [fn(i) for i in which]) / len(which) if which else float("nan")
 
             everyone = range(len(weights))
-            gguf_ms = timed(each(lambda i: cpu_kernels.qmatmul_cpu(x, weights[i]), everyone)) / len(weights)
-            int8_ms = timed(each(lambda i: torch._weight_int8pack_mm(x, *int8[i]), everyone)) / len(weights)
-            int4_ms = (timed(each(lambda i: torch._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]), q4))
-                       / len(q4) if q4 else float("nan"))
-            q4_gguf = (f" (gguf on the same layers {timed(each(lambda i: cpu_kernels.qmatmul_cpu(x, weights[i]), q4)) / len(q4):.3f})"
-                       if q4 else "")
+            gguf_ms = ms_each(lambda i: cpu_kernels.qmatmul_cpu(x, weights[i]), everyone)
+            int8_ms = ms_each(lambda i: torch._weight_int8pack_mm(x, *int8[i]), everyone)
+            int4_ms = ms_each(lambda i: torch._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]), q4)
+            q4_gguf = f" (gguf on the same layers {ms_each(lambda i: cpu_kernels.qmatmul_cpu(x, weights[i]), q4):.3f})"
+            q4_gguf = q4_gguf if q4 else ""
             print(f"| {kind} {weights[0].rows}x{weights[0].cols} | {types} | {m} | {gguf_ms:.3f} | {int8_ms:.3f} | "
                   f"{int8_error:.4f} | {int4_ms:.3f}{q4_gguf} | {int4_error:.4f} |")
     print(f"(gguf: the GEMV up to M={CPU_GEMV_MAX_M}, slabs of bfloat16 for torch's GEMM above)")

@@ -19,7 +19,7 @@ GEMV_MAX_M = 8
 # through the GEMV that reads each block once; more take a bfloat16 (or
 # float32) copy of a slab of weight rows into torch's GEMM. bench/cpu_matmul.py
 # on 2 cores: at M=8 the GEMV still beats the slab on every weight of the
-# default model (ffn_down 0.25 against 0.43 ms, attn_q 0.11 against 0.29), so
+# default model (ffn_down 0.31 against 0.52 ms, attn_q 0.14 against 0.33), so
 # the limit is the GEMV's own (it is compiled for 1..8 rows), not a crossover.
 CPU_GEMV_MAX_M = 8
 # Weight rows dequantized at a time on the CPU GEMM side (bounds the temporary:

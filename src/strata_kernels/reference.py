@@ -156,14 +156,19 @@ def _k_scale_min(scales: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: Blocks) -> torch.Tensor:
+def q4_k_parts(b: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks ``[n, 144]`` -> codes ``[n, 256]`` (0..15, uint8), and the
+    scale and min of each group of 32 ``[n, 8]`` (float32): w = scale * q - min."""
     n = b.shape[0]
     d, dmin, scales, qs = _split(b, 2, 2, 12)
     sc, mn = _k_scale_min(scales)
-    dl = (_f16(d) * sc.float()).reshape(n, -1, 1)
-    ml = (_f16(dmin) * mn.float()).reshape(n, -1, 1)
-    q = _nibbles(qs, n, 32).reshape(n, -1, 32).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return _nibbles(qs, n, 32), _f16(d) * sc.float(), _f16(dmin) * mn.float()
+
+
+def _q4_k(b: Blocks) -> torch.Tensor:
+    n = b.shape[0]
+    q, scale, minv = q4_k_parts(b)
+    return (scale.reshape(n, -1, 1) * q.reshape(n, -1, 32).float() - minv.reshape(n, -1, 1)).reshape(n, QK_K)
 
 
 def _q5_k(b: Blocks) -> torch.Tensor:

@@ -11,10 +11,12 @@ from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows,
 from strata_kernels.launch import CPU_GEMV_MAX_M
 
 
-def cpu_fast_path(weight: QuantTensor, dtype: torch.dtype) -> bool:
-    """bfloat16 on the CPU is the fast path: GGUF blocks read by the compiled
-    CPU kernels (``strata_kernels.cpu_kernels``), activations in bfloat16."""
-    return weight.device.type == "cpu" and dtype == torch.bfloat16
+def cpu_fast_path(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` on ``device`` runs on the compiled CPU kernels
+    (``strata_kernels.cpu_kernels``): bfloat16 on the CPU is the fast path,
+    when the kernels could be built (else the torch ops, and the build
+    failure was logged). The one place this is decided."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.available()
 
 
 def keeps_blocks(weight: QuantTensor, dtype: torch.dtype) -> bool:
@@ -25,7 +27,7 @@ def keeps_blocks(weight: QuantTensor, dtype: torch.dtype) -> bool:
     (else that weight is dense bfloat16, and the build failure was logged)."""
     if weight.device.type in ("cuda", "meta"):
         return True
-    return cpu_fast_path(weight, dtype) and cpu_kernels.supports(weight) and cpu_kernels.available()
+    return cpu_fast_path(weight.device, dtype) and cpu_kernels.supports(weight)
 
 
 class Linear(nn.Module):
@@ -109,7 +111,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(dequantize(weight).reshape(-1), requires_grad=False)
         self.eps = eps
-        self.cpu_kernel = cpu_fast_path(weight, dtype) and cpu_kernels.available()
+        self.cpu_kernel = cpu_fast_path(weight.device, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -164,6 +166,6 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up``, the gated MLP's middle: one
     kernel call on the CPU fast path (bfloat16 on the CPU, kernels built),
     two torch ops otherwise."""
-    if gate.dtype == torch.bfloat16 and gate.device.type == "cpu" and cpu_kernels.available():
+    if cpu_fast_path(gate.device, gate.dtype):
         return cpu_kernels.gelu_tanh_mul(gate, up)
     return F.gelu(gate, approximate="tanh") * up

@@ -116,79 +116,38 @@ inline __m256i small_block_codes32(const uint8_t* qs, uint32_t qh) {
 // with the bf16 dot product, codes32(block, c): the stored unsigned codes
 // (q + CODE_OFFSET) of weights c..c+31 in one register, never in memory.
 
-struct Q4_0 {
-  static constexpr int B = 32, BYTES = 18, SG = 32;
-  static constexpr int CODE_BITS = 4, CODE_OFFSET = 8;
+// The four 32-weight types, one layout: a float16 scale d; with a minimum
+// (Q4_1, Q5_1) a float16 m, w = d*q + m, else w = d*(q - 2^(bits-1)); with
+// 5-bit codes the 32 fifth bits qh (4 bytes); then 16 bytes of nibbles qs.
+template <int BITS, bool WITH_MIN>
+struct SmallBlock {
+  static constexpr int B = 32, SG = 32;
+  static constexpr int CODE_BITS = BITS, CODE_OFFSET = WITH_MIN ? 0 : 1 << (BITS - 1);
+  static constexpr bool HAS_MIN = WITH_MIN;
+  static constexpr int QH = WITH_MIN ? 4 : 2;         // after d (and m)
+  static constexpr int QS = QH + (BITS == 5 ? 4 : 0);  // after qh, if any
+  static constexpr int BYTES = QS + 16;
   using Block = Decoded<B, SG>;
-  static constexpr bool HAS_MIN = false;
+  static uint32_t high_bits(const uint8_t* b) { return BITS == 5 ? u32_at(b + QH) : 0; }
   static void scales(const uint8_t* b, float* scale, float* minv) {
     scale[0] = half_at(b);
-    minv[0] = 0.0f;
+    minv[0] = WITH_MIN ? -half_at(b + 2) : 0.0f;  // d*q + m == d*q - (-m), exactly
   }
   static void decode(const uint8_t* b, Block& o) {
-    small_block_codes(b + 2, 0, 8, o.q);
+    small_block_codes(b + QS, high_bits(b), CODE_OFFSET, o.q);
     scales(b, o.scale, o.minv);
   }
 #ifdef STRATA_BF16_DOT
-  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 2, 0); }
+  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + QS, high_bits(b)); }
 #endif
 };
 
-struct Q4_1 {
-  static constexpr int B = 32, BYTES = 20, SG = 32;
-  static constexpr int CODE_BITS = 4, CODE_OFFSET = 0;
-  using Block = Decoded<B, SG>;
-  static constexpr bool HAS_MIN = true;
-  static void scales(const uint8_t* b, float* scale, float* minv) {
-    scale[0] = half_at(b);
-    minv[0] = -half_at(b + 2);  // d*q + m == d*q - (-m), exactly
-  }
-  static void decode(const uint8_t* b, Block& o) {
-    small_block_codes(b + 4, 0, 0, o.q);
-    scales(b, o.scale, o.minv);
-  }
-#ifdef STRATA_BF16_DOT
-  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 4, 0); }
-#endif
-};
-
-struct Q5_0 {
-  static constexpr int B = 32, BYTES = 22, SG = 32;
-  static constexpr int CODE_BITS = 5, CODE_OFFSET = 16;
-  using Block = Decoded<B, SG>;
-  static constexpr bool HAS_MIN = false;
-  static uint32_t high_bits(const uint8_t* b) { return u32_at(b + 2); }
-  static void scales(const uint8_t* b, float* scale, float* minv) {
-    scale[0] = half_at(b);
-    minv[0] = 0.0f;
-  }
-  static void decode(const uint8_t* b, Block& o) {
-    small_block_codes(b + 6, high_bits(b), 16, o.q);
-    scales(b, o.scale, o.minv);
-  }
-#ifdef STRATA_BF16_DOT
-  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 6, high_bits(b)); }
-#endif
-};
-
-struct Q5_1 {
-  static constexpr int B = 32, BYTES = 24, SG = 32;
-  static constexpr int CODE_BITS = 5, CODE_OFFSET = 0;
-  using Block = Decoded<B, SG>;
-  static constexpr bool HAS_MIN = true;
-  static uint32_t high_bits(const uint8_t* b) { return u32_at(b + 4); }
-  static void scales(const uint8_t* b, float* scale, float* minv) {
-    scale[0] = half_at(b);
-    minv[0] = -half_at(b + 2);
-  }
-  static void decode(const uint8_t* b, Block& o) {
-    small_block_codes(b + 8, high_bits(b), 0, o.q);
-    scales(b, o.scale, o.minv);
-  }
-#ifdef STRATA_BF16_DOT
-  static __m256i codes32(const uint8_t* b, int) { return small_block_codes32(b + 8, high_bits(b)); }
-#endif
-};
+using Q4_0 = SmallBlock<4, false>;
+using Q4_1 = SmallBlock<4, true>;
+using Q5_0 = SmallBlock<5, false>;
+using Q5_1 = SmallBlock<5, true>;
+static_assert(Q4_0::BYTES == 18 && Q4_1::BYTES == 20 && Q5_0::BYTES == 22 && Q5_1::BYTES == 24,
+              "GGUF's block sizes");
 
 struct Q8_0 {  // 8-bit codes: no codes32 (the bf16 trick needs 7 bits at most)
   static constexpr int B = 32, BYTES = 34, SG = 32;

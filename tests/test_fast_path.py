@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kv_cache import _kl_and_top1
 
 import strata_runtime
 from strata_kernels import cpu_kernels
 from strata_runtime.layers import Linear
+from strata_runtime.quality import agreement, logits_of
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +21,12 @@ def fast(model_file):
 def test_fast_path_stays_close_to_float32(engine, fast, reference_float32):
     """Teacher-forced over the reference texts: mean KL <= 0.03 and top-1
     agreement >= 95% against the exact path (issue 8's bar)."""
-    kls = agree = n = 0.0
-    for case in reference_float32["teacher_forced"]:
-        kl, top1 = _kl_and_top1(engine.logits(case["tokens"]), fast.logits(case["tokens"]))
-        kls += kl * len(case["tokens"])
-        agree += top1 * len(case["tokens"])
-        n += len(case["tokens"])
-    print(f"bfloat16 activations, GGUF-block weights vs float32 over {int(n)} positions: "
-          f"top-1 agreement {agree / n:.1%}, mean KL {kls / n:.4f}")
-    assert kls / n <= 0.03
-    assert agree / n >= 0.95
+    texts = [case["tokens"] for case in reference_float32["teacher_forced"]]
+    a = agreement(logits_of(engine, texts), logits_of(fast, texts))
+    print(f"bfloat16 activations, GGUF-block weights vs float32 over {a.positions} positions: "
+          f"top-1 agreement {a.top1:.1%}, mean KL {a.kl:.4f}")
+    assert a.kl <= 0.03
+    assert a.top1 >= 0.95
 
 
 def test_fast_path_decode_steps_stay_close_to_float32(engine, fast, reference_float32):
@@ -40,20 +36,17 @@ def test_fast_path_decode_steps_stay_close_to_float32(engine, fast, reference_fl
     exact path's."""
     from strata_runtime.generation import decode_step
 
-    kls = agree = n = 0.0
-    for case in reference_float32["teacher_forced"]:
-        tokens = case["tokens"][:128]
+    texts = [case["tokens"][:128] for case in reference_float32["teacher_forced"]]
+    steps = []
+    for tokens in texts:
         cache = fast.new_cache(len(tokens))
         with torch.inference_mode():
-            steps = torch.stack([decode_step(fast.model, cache, t).reshape(-1) for t in tokens])
-        kl, top1 = _kl_and_top1(engine.logits(tokens), steps)
-        kls += kl * len(tokens)
-        agree += top1 * len(tokens)
-        n += len(tokens)
-    print(f"decode steps of the fast path vs float32 over {int(n)} positions: "
-          f"top-1 agreement {agree / n:.1%}, mean KL {kls / n:.4f}")
-    assert kls / n <= 0.03
-    assert agree / n >= 0.95
+            steps.append(torch.stack([decode_step(fast.model, cache, t).reshape(-1) for t in tokens]))
+    a = agreement(logits_of(engine, texts), steps)
+    print(f"decode steps of the fast path vs float32 over {a.positions} positions: "
+          f"top-1 agreement {a.top1:.1%}, mean KL {a.kl:.4f}")
+    assert a.kl <= 0.03
+    assert a.top1 >= 0.95
 
 
 # Where two paths may part: float32's own top-2 logits closer than this. The

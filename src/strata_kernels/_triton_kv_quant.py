@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .formats import lookup_table
 from .kv_quant import INT4_BLOCK, INT8_GROUP, KVStore
+from .reference import nf4_scale_candidates
 
 
 @triton.jit
@@ -27,13 +28,17 @@ def _nearest_level(y, levels):
 
 
 @triton.jit
-def _quantize_kernel(x, slots, codes, scales, levels, HKV, D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+def _quantize_kernel(x, slots, codes, scales, levels, candidates, HKV, D: tl.constexpr, GROUP: tl.constexpr,
+                     BITS: tl.constexpr, N_CANDIDATES: tl.constexpr, CANDIDATES: tl.constexpr):
     # x:      [T, HKV, D] float rows to write (contiguous)
     # slots:  [T] int64 ring slot of each row
     # codes:  [C, HKV, D] int8 (BITS=8) or [C, HKV, D // 2] uint8 (BITS=4, IQ4_NL level indices,
     #         value 2i in the low nibble)
     # scales: [C, HKV, D // GROUP] float16
     # levels: [16] float32 IQ4_NL levels (BITS=4)
+    # candidates: [N_CANDIDATES] float32 multipliers of the block's extreme value, tried as
+    #         scales, the first best kept (BITS=4; reference.nf4_scale_candidates);
+    #         CANDIDATES is N_CANDIDATES rounded up to a power of two
     # grid:   (T * HKV, D // GROUP); program (r, g) quantizes group g of row r = t * HKV + h
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -56,9 +61,20 @@ def _quantize_kernel(x, slots, codes, scales, levels, HKV, D: tl.constexpr, GROU
         odd = tl.load(src + 2 * i + 1).to(tl.float32)
         top = tl.maximum(tl.max(even, axis=0), tl.max(odd, axis=0))
         bottom = tl.minimum(tl.min(even, axis=0), tl.min(odd, axis=0))
-        # The extreme value lands exactly on the first (-127) level.
         extreme = tl.where(top >= -bottom, top, bottom)
-        scale = (extreme / tl.load(levels)).to(tl.float16)
+        # All candidate scales at once, one per row of a [CANDIDATES, GROUP // 2] tile;
+        # keep the first with the least squared error, as the reference does.
+        c = tl.arange(0, CANDIDATES)
+        tried = (extreme * tl.load(candidates + c, mask=c < N_CANDIDATES, other=0.0)).to(tl.float16)
+        s = tried.to(tl.float32)[:, None]
+        safe = tl.where(s != 0, s, 1.0)
+        qe = _nearest_level(tl.where(s != 0, even[None, :] / safe, 0.0), levels)
+        qo = _nearest_level(tl.where(s != 0, odd[None, :] / safe, 0.0), levels)
+        de = tl.load(levels + qe) * s - even[None, :]
+        do = tl.load(levels + qo) * s - odd[None, :]
+        error = tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
+        best = tl.argmin(tl.where(c < N_CANDIDATES, error, float("inf")), axis=0, tie_break_left=True)
+        scale = (extreme * tl.load(candidates + best)).to(tl.float16)
         s = scale.to(tl.float32)
         safe = tl.where(s != 0, s, 1.0)
         qe = _nearest_level(tl.where(s != 0, even / safe, 0.0), levels)
@@ -77,6 +93,9 @@ def kv_write_triton(store: KVStore, slots: torch.Tensor, keys: torch.Tensor, val
     else:
         halves.append((store.v, store.v_scales, values, INT4_BLOCK, 4))
     levels = lookup_table("iq4nl_values", keys.device)
+    candidates = nf4_scale_candidates(keys.device)
     for codes, scales, x, group, bits in halves:
         x = x.contiguous()
-        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, levels, hkv, D=d, GROUP=group, BITS=bits)
+        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, levels, candidates, hkv, D=d, GROUP=group,
+                                                BITS=bits, N_CANDIDATES=candidates.numel(),
+                                                CANDIDATES=triton.next_power_of_2(candidates.numel()))

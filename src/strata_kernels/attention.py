@@ -15,6 +15,8 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     up to ``start+T-1``; a sliding layer passes its ``window``. One query
     (decode) splits the context across programs and merges the parts by
     log-sum-exp; many (prefill) tile the queries. Returns float32 ``[T, H, D]``.
+    A rotated (quantized) store is scored with the query rotated like its
+    keys, and the output is rotated back here, for every backend.
     ``backend="cpu"`` runs one query over float32 or bfloat16 f16-format
     storage with the compiled CPU kernel, anything else with the torch reference."""
     t, h, d = q.shape
@@ -31,17 +33,18 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
         from . import cpu_kernels
 
         return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, start, window, scale).reshape(1, h, d)
+    if store.rotated:
+        q = q.float() @ hadamard(d, q.device)
     if chosen in ("torch", "cpu"):  # the CPU kernel covers the decode case above only
         from .reference import attention as attention_torch
 
-        return attention_torch(q, store, start, window, scale)
-    from ._triton_attention import attention_triton
+        out = attention_torch(q, store, start, window, scale)
+    else:
+        from ._triton_attention import attention_triton
 
-    s = attention_settings(t, h // store.kv_heads, min(store.capacity, start + t), d)
-    out = attention_triton(q, store, start, window, scale, s.splits, s.block_m, s.block_n, s.num_warps)
-    if store.fmt == "k8v4":
-        out = out @ hadamard(d, out.device)
-    return out
+        s = attention_settings(t, h // store.kv_heads, min(store.capacity, start + t), d)
+        out = attention_triton(q, store, start, window, scale, s.splits, s.block_m, s.block_n, s.num_warps)
+    return out @ hadamard(d, out.device) if store.rotated else out
 
 
 def _cpu_decode(q: torch.Tensor, store: KVStore) -> bool:

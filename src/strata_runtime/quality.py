@@ -1,0 +1,63 @@
+"""How close one engine's predictions are to another's: top-1 agreement and
+mean KL divergence over teacher-forced positions.
+
+A quantized KV cache makes this a noisy figure on a sensitive model: a code
+sitting at a rounding boundary flips under a perturbation far below float32
+noise, and the change reaches every later layer's codes. On Gemma 3 270M a
+relative 1e-6 nudge to the embeddings moves the k8v4 cache's mean KL over
+the reference texts by up to 0.02 while the f16 cache's stays at 0.0000.
+So a quantized format is judged by the plain run and by the mean over a few
+nudged runs (``nudged``): different realizations of the same quantization noise.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Figures over ``positions`` teacher-forced positions: the share where
+    both engines' top token is the same, and the mean KL(reference || other)."""
+
+    top1: float
+    kl: float
+    positions: int
+
+
+def agreement(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> Agreement:
+    """Pooled over texts: ``reference[i]`` and ``other[i]`` are ``[T_i, vocab]`` logits."""
+    kls, agree = [], []
+    for a, b in zip(reference, other, strict=True):
+        p = torch.log_softmax(a.double(), -1)
+        q = torch.log_softmax(b.double(), -1)
+        kls.append((p.exp() * (p - q)).sum(-1))
+        agree.append(a.argmax(-1) == b.argmax(-1))
+    kl, same = torch.cat(kls), torch.cat(agree)
+    return Agreement(float(same.double().mean()), float(kl.mean()), kl.numel())
+
+
+@contextmanager
+def nudged(engine, seed: int, relative: float = 1e-6) -> Iterator[None]:
+    """While inside, ``engine``'s token embeddings are multiplied by
+    ``1 + relative * N(0, 1)`` (seeded): a perturbation an f16 cache does not
+    notice, which redraws where a quantized cache's rounding lands."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def nudge(module, args, output):
+        noise = torch.randn(output.shape, generator=generator).to(output.device, output.dtype)
+        return output * (1 + relative * noise)
+
+    handle = engine.model.embedding.register_forward_hook(nudge)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def logits_of(engine, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    return [engine.logits(tokens) for tokens in token_lists]

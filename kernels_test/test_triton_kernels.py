@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from gguf import GGMLQuantizationType as T
 from helpers import assert_bit_exact, gguf_reference, matmul_tolerance, random_quant_tensor, report_mismatch
 
 from strata_kernels import QuantTensor, block_format, dequantize, qmatmul
-from strata_kernels._triton_unpack import TRITON_TABLES
+from strata_kernels._triton_dequant import table_args
+from strata_kernels._triton_unpack import SUB_BLOCK, TRITON_TABLES, sub_block_scales
 
 TRITON_TYPES = [T(q) for q in TRITON_TABLES]
 
@@ -94,6 +97,37 @@ def test_qmatmul_bad_input_is_clear():
         qmatmul(torch.randn(2, 64), qt, backend="cuda")
     with pytest.raises(ValueError, match="multiple of its block size 256"):
         QuantTensor(torch.zeros(4, 84, dtype=torch.uint8), T.Q2_K, (4, 300))
+
+
+@triton.jit
+def _every_scale(blocks, scales, offsets, K, row_bytes, QTYPE: tl.constexpr, BS: tl.constexpr,
+                 TS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row ``program_id`` of a tensor: its sub-block scale and offset at every column."""
+    n = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K).to(tl.int64)
+    scale, offset = sub_block_scales(blocks, row_bytes, n, k, QTYPE, BS, TS)
+    tl.store(scales + n * K + k, scale + tl.zeros([BLOCK_K], tl.float32))
+    tl.store(offsets + n * K + k, offset + tl.zeros([BLOCK_K], tl.float32))
+
+
+@pytest.mark.parametrize("qtype", TRITON_TYPES, ids=lambda t: t.name)
+def test_sub_block_is_the_scale_granularity(qtype):
+    """The GEMV applies one scale (and offset) per ``SUB_BLOCK`` weights, so
+    ``sub_block_scales`` must be constant over each such run (else the GEMV is
+    wrong) and differ between neighbouring runs of random blocks (else the run
+    could be longer, and the GEMV does more scale work than it needs)."""
+    fmt = block_format(qtype)
+    qt = random_quant_tensor(qtype, 5, max(1, 256 // fmt.block_size), seed=21)
+    table_args(qt)  # the type has a Triton kernel
+    scales, offsets = torch.empty(qt.rows, qt.cols), torch.empty(qt.rows, qt.cols)
+    _every_scale[(qt.rows,)](qt.data, scales, offsets, qt.cols, qt.data.stride(0), QTYPE=int(qtype),
+                             BS=fmt.block_size, TS=fmt.type_size, BLOCK_K=qt.cols)
+    sub = SUB_BLOCK[int(qtype)]
+    for values in (scales, offsets):
+        runs = values.reshape(qt.rows, -1, sub)
+        assert torch.equal(runs, runs[..., :1].expand_as(runs)), f"{qtype.name}: a scale changes inside a sub-block"
+    pairs = scales.reshape(qt.rows, -1, 2 * sub)
+    assert not torch.equal(pairs[..., :sub], pairs[..., sub:]), f"{qtype.name}: sub-blocks of {2 * sub} would do"
 
 
 # --- GPU only: bf16 (wrong under the interpreter) and large shapes --------------

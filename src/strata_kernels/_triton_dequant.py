@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_unpack import TRITON_TABLES, weight_tile
+from ._triton_unpack import HAS_OFFSET, TRITON_TABLES, weight_tile
 from .formats import block_format, lookup_table
 from .launch import launch_settings
 from .quant_tensor import QuantTensor
@@ -16,7 +16,7 @@ from .quant_tensor import QuantTensor
 def _dequantize_kernel(
     blocks, out, N, K, row_bytes, stride_out,
     grid_ptr, signs_ptr, values_ptr,
-    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # blocks: uint8 [N, row_bytes], rows contiguous at stride row_bytes
@@ -29,7 +29,7 @@ def _dequantize_kernel(
     k = pk * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)[None, :]
     inside = (n < N) & (k < K)
     w = weight_tile(blocks, row_bytes, tl.minimum(n, N - 1), tl.minimum(k, K - 1),
-                    grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS)
+                    grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, OFFSET)
     tl.store(out + n * stride_out + k, w.to(out.dtype.element_ty), mask=inside)
 
 
@@ -51,7 +51,7 @@ def dequantize_triton(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
     grid = (triton.cdiv(n, s.block_n), triton.cdiv(k, s.block_k))
     _dequantize_kernel[grid](
         qt.data, out, n, k, qt.data.stride(0), out.stride(0), *table_args(qt),
-        QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size,
+        QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size, OFFSET=int(qt.qtype) in HAS_OFFSET,
         BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps,
     )
     return out.reshape(qt.shape)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ._triton_dequant import table_args
-from ._triton_unpack import weight_tile
+from ._triton_unpack import HAS_OFFSET, SUB_BLOCK, sub_block_scales, weight_codes, weight_tile
 from .formats import block_format
 from .launch import GEMV_MAX_M, launch_settings
 from .quant_tensor import QuantTensor
@@ -16,13 +16,14 @@ from .quant_tensor import QuantTensor
 
 @triton.jit
 def _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0, grid_ptr, signs_ptr, values_ptr,
-            QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step: activations ``[BLOCK_M, BLOCK_K]`` (x's dtype) and weights
-    ``[BLOCK_N, BLOCK_K]`` (float32), zero beyond K and beyond M."""
+            QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """One GEMM K step: activations ``[BLOCK_M, BLOCK_K]`` (x's dtype) and
+    weights ``[BLOCK_N, BLOCK_K]`` (float32), zero beyond K and beyond M."""
     k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     k_in = k < K
     w = weight_tile(blocks, row_bytes, n_safe, tl.minimum(k, K - 1)[None, :],
-                    grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS)
+                    grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, OFFSET)
     w = tl.where(k_in[None, :], w, 0.0)
     xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & k_in[None, :], other=0.0)
     return xs, w
@@ -32,23 +33,37 @@ def _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0, grid_ptr, sign
 def _gemv_kernel(
     x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om,
     grid_ptr, signs_ptr, values_ptr,
-    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr, SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # x:      [M, K] activations, row stride stride_xm, unit column stride; M <= BLOCK_M
     # blocks: uint8 [N, row_bytes], the GGUF rows of W (logical [N, K])
     # out:    [M, N], row stride stride_om
     # grid:   (cdiv(N, BLOCK_N),); each program reads its BLOCK_N weight rows
-    #         once, unpacks them in registers and reduces against all M rows of x
+    #         once, unpacks the codes in registers, sums x * code over each
+    #         sub-block of SUB weights and applies that sub-block's scale (and
+    #         offset, times the sum of x) once, for all M rows of x
     pn = tl.program_id(0).to(tl.int64)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     m = tl.arange(0, BLOCK_M).to(tl.int64)
-    n_safe = tl.minimum(n, N - 1)[:, None]
+    n_safe = tl.minimum(n, N - 1)
+    sub = tl.arange(0, BLOCK_K // SUB).to(tl.int64)
+    e = tl.arange(0, SUB).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xs, w = _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0,
-                        grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, BLOCK_K)
-        acc += tl.sum(xs.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        first = k0 + sub * SUB  # [S]: each sub-block's first column
+        k = first[:, None] + e[None, :]  # [S, SUB]
+        # x beyond K or M loads as 0, so the clamped weights there add nothing.
+        xs = tl.load(x + m[:, None, None] * stride_xm + k[None, :, :],
+                     mask=(m[:, None, None] < M) & (k[None, :, :] < K), other=0.0).to(tl.float32)  # [M, S, SUB]
+        code = weight_codes(blocks, row_bytes, n_safe[:, None, None], tl.minimum(k, K - 1)[None, :, :],
+                            grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS)  # [N, S, SUB]
+        scale, offset = sub_block_scales(blocks, row_bytes, n_safe[:, None], tl.minimum(first, K - 1)[None, :],
+                                         QTYPE, BS, TS)  # [N, S]
+        dots = tl.sum(xs[:, None, :, :] * code[None, :, :, :], axis=3)  # [M, N, S]
+        acc += tl.sum(dots * scale[None, :, :], axis=2)
+        if OFFSET:
+            acc += tl.sum(tl.sum(xs, axis=2)[:, None, :] * offset[None, :, :], axis=2)
     mask = (m[:, None] < M) & (n[None, :] < N)
     tl.store(out + m[:, None] * stride_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
@@ -57,7 +72,7 @@ def _gemv_kernel(
 def _gemm_kernel(
     x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om,
     grid_ptr, signs_ptr, values_ptr,
-    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -75,7 +90,7 @@ def _gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         xs, w = _k_step(x, blocks, M, K, stride_xm, row_bytes, m, n_safe, k0,
-                        grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, BLOCK_K)
+                        grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, OFFSET, BLOCK_K)
         acc = tl.dot(xs, tl.trans(w.to(x.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
     mask = (m[:, None] < M) & (n[None, :] < N)
     tl.store(out + m[:, None] * stride_om + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
@@ -92,13 +107,14 @@ def qmatmul_triton(x: torch.Tensor, qt: QuantTensor, path: str | None = None) ->
     if m == 0:
         return out
     common = (x, qt.data, out, m, n, k, x.stride(0), qt.data.stride(0), out.stride(0), *table_args(qt))
-    consts = dict(QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size)
+    consts = dict(QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size, OFFSET=int(qt.qtype) in HAS_OFFSET)
     if path is None:
         path = "gemv" if m <= GEMV_MAX_M else "gemm"
     if path == "gemv":
         s = launch_settings("gemv", m, n, k, fmt.block_size)
         _gemv_kernel[(triton.cdiv(n, s.block_n),)](
-            *common, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps
+            *common, **consts, SUB=SUB_BLOCK[int(qt.qtype)], BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+            BLOCK_K=s.block_k, num_warps=s.num_warps,
         )
     else:
         s = launch_settings("gemm", m, n, k, fmt.block_size)

@@ -9,8 +9,14 @@ both qmatmul paths (GEMV and GEMM) are timed for M <= 8 so the crossover in
 torch path (dequantize per call, then matmul).
 
     python bench/kernels.py [--types Q4_K,Q8_0] [--shapes 4096x4096,...] [--m 1,8,64,512] [--csv FILE]
+    python bench/kernels.py --crossover [--types ...] [--shapes 4096x14336]
 
 Prints a table; appends one CSV row per case carrying the device and versions.
+``--crossover`` times only the two Triton paths at M = 1, 2, 4, 8 and prints,
+per type and shape, the largest M at which the GEMV is still the faster,
+then the value for ``GEMV_MAX_M`` that follows (the least of them). On a CPU
+it needs the interpreter (``TRITON_INTERPRET=1``), which makes it a smoke
+run, not a measurement.
 """
 
 from __future__ import annotations
@@ -76,7 +82,12 @@ def main() -> None:
     ap.add_argument("--m", default="1,8,64,512" if cuda else "1,8,64")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--csv", default=None, help="append rows here (default: bench/results/kernels-<device>.csv)")
+    ap.add_argument("--crossover", action="store_true", help="time GEMV against GEMM at M = 1, 2, 4, 8 only")
     args = ap.parse_args()
+    if args.crossover:
+        crossover(torch.device(args.device), args.types.split(","),
+                  args.shapes.split(",") if "--shapes" in sys.argv else ["4096x14336"], args.reps)
+        return
 
     device = torch.device(args.device)
     act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -128,6 +139,37 @@ def main() -> None:
                                          f"{seconds:.6e}", f"{gbps:.2f}", f"{gbps * 1e9 / bandwidth:.3f}",
                                          f"{tflops:.4f}", f"{ratio:.3f}"])
     print(f"rows appended to {out}")
+
+
+def crossover(device: torch.device, types: list[str], shapes: list[str], reps: int) -> None:
+    """For each type and shape, the largest M in 1, 2, 4, 8 up to which the
+    GEMV path beats the GEMM path; the suggested GEMV_MAX_M is the least."""
+    from strata_kernels.launch import GEMV_MAX_M
+
+    act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"device {device_name(device)}; activations {act_dtype}; GEMV_MAX_M now {GEMV_MAX_M}")
+    print(f"{'type':<8} {'N x K':>12} " + " ".join(f"{'M=' + str(m) + ' gemv/gemm':>16}" for m in (1, 2, 4, 8))
+          + f" {'GEMV up to':>11}")
+    limits = []
+    for type_name in types:
+        qtype = T[type_name]
+        block = block_format(qtype).block_size
+        for shape in shapes:
+            n, k = (int(v) for v in shape.split("x"))
+            if k % block:
+                continue
+            qt = random_quant_tensor(qtype, n, k // block, seed=0).to(device)
+            ratios, limit = [], 0
+            for m in (1, 2, 4, 8):
+                x = torch.randn(m, k, device=device).to(act_dtype)
+                gemv = time_call(_path_call(x, qt, "gemv"), device, reps)
+                gemm = time_call(_path_call(x, qt, "gemm"), device, reps)
+                ratios.append(gemv / gemm)
+                if gemv < gemm and limit == m // 2:  # the GEMV has won at every M so far
+                    limit = m
+            limits.append(limit)
+            print(f"{type_name:<8} {shape:>12} " + " ".join(f"{r:>16.2f}" for r in ratios) + f" {limit:>11}")
+    print(f"suggested GEMV_MAX_M = {min(limits)} (the GEMV takes at most 8 rows: 8 means it still wins there)")
 
 
 def _path_call(x, qt, path):

@@ -11,8 +11,9 @@ BACKENDS = ("auto", "triton", "torch", "cpu")
 
 # qmatmul: at most this many rows of x take the GEMV path (weights unpacked in
 # registers, products reduced per row); more take the GEMM path (dequantized
-# tiles into tl.dot). Provisional: bench/kernels.py times both paths for
-# M in {1, 8, 64, 512}; set this from its figures on the target GPU.
+# tiles into tl.dot). Not yet measured (no GPU so far): 8 is the GEMV's own row
+# cap. `python bench/kernels.py --crossover` on the target GPU prints the M up
+# to which the GEMV wins per type and the value to set here.
 GEMV_MAX_M = 8
 
 # qmatmul on the CPU kernels (backend="cpu"): at most this many rows of x go

@@ -8,6 +8,7 @@ multiply-add), so the result equals ``gguf.quants.dequantize`` bit for bit.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -403,6 +404,7 @@ def kv_quantize(x: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[torch.Te
 NF4_BLOCKS_AT_ONCE = 2048
 
 
+@lru_cache(maxsize=None)  # one copy per device: a decode step's writes must not copy it each time
 def nf4_scale_candidates(device: torch.device | str = "cpu") -> torch.Tensor:
     """Multipliers ``m`` of a block's signed extreme value ``e`` (the one of
     largest magnitude): each block is tried at the float16 scales ``e * m``

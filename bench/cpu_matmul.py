@@ -40,6 +40,14 @@ def timed(fn, repeats: int = 5) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
+def open_default_model(threads: int) -> GGUFFile:
+    """Both CPU benches' start: the thread count, the built kernels, the default model."""
+    torch.set_num_threads(threads)
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels did not build: {cpu_kernels.build_error()}")
+    return GGUFFile.open(default_model_path())
+
+
 def read_bandwidth_gbs() -> float:
     big = torch.ones(100_000_000)
     ms = timed(lambda: big.sum(), 5)
@@ -51,10 +59,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16,64,512")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if not cpu_kernels.available():
-        raise SystemExit(f"the CPU kernels did not build: {cpu_kernels.build_error()}")
-    gguf = GGUFFile.open(default_model_path())
+    gguf = open_default_model(args.threads)
     bandwidth = read_bandwidth_gbs()
     print(f"# {platform.machine()}, torch {torch.__version__}, {args.threads} threads; "
           f"read bandwidth {bandwidth:.1f} GB/s; GEMV used up to M={CPU_GEMV_MAX_M}; ms per matmul")

@@ -27,12 +27,10 @@ import platform
 import torch
 from gguf import GGMLQuantizationType as T
 
-from cpu_matmul import KINDS, timed
+from cpu_matmul import KINDS, open_default_model, timed
 from strata_kernels import QuantTensor, cpu_kernels
 from strata_kernels.launch import CPU_GEMV_MAX_M
 from strata_kernels.reference import q4_k_parts
-from strata_runtime.default_model import default_model_path
-from strata_runtime.gguf_file import GGUFFile
 
 
 def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +58,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,512")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if not cpu_kernels.available():
-        raise SystemExit(f"the CPU kernels did not build: {cpu_kernels.build_error()}")
-    gguf = GGUFFile.open(default_model_path())
+    gguf = open_default_model(args.threads)
     print(f"# {platform.machine()}, torch {torch.__version__}, {args.threads} threads; ms per matmul, "
           "bfloat16 activations; repack error = RMS(w - w_gguf) / RMS(w_gguf)")
     print("| weight | types | M | gguf | int8pack | int8 error | int4pack (Q4_K layers) | int4 error |")

@@ -78,16 +78,17 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
     ap.add_argument("--types", default=",".join(T(q).name for q in TRITON_TABLES))
-    ap.add_argument("--shapes", default=",".join(LARGE_SHAPES + MODEL_SHAPES) if cuda else "4096x4096,2048x640,640x2048")
+    ap.add_argument("--shapes", default=None, help="default: the large and model shapes on a GPU, three on a CPU; "
+                                                   "4096x14336 with --crossover")
     ap.add_argument("--m", default="1,8,64,512" if cuda else "1,8,64")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--csv", default=None, help="append rows here (default: bench/results/kernels-<device>.csv)")
     ap.add_argument("--crossover", action="store_true", help="time GEMV against GEMM at M = 1, 2, 4, 8 only")
     args = ap.parse_args()
     if args.crossover:
-        crossover(torch.device(args.device), args.types.split(","),
-                  args.shapes.split(",") if "--shapes" in sys.argv else ["4096x14336"], args.reps)
+        crossover(torch.device(args.device), args.types.split(","), (args.shapes or "4096x14336").split(","), args.reps)
         return
+    args.shapes = args.shapes or (",".join(LARGE_SHAPES + MODEL_SHAPES) if cuda else "4096x4096,2048x640,640x2048")
 
     device = torch.device(args.device)
     act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -24,7 +24,7 @@ import torch
 
 import strata_runtime
 from strata_runtime.default_model import default_model_path
-from strata_runtime.quality import agreement, logits_of, nudged
+from strata_runtime.quality import agreement, logits_of, plain_and_nudged
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "gemma-3-270m-q4_k_m.float32.json"
 OTHER_MODULES = ("textwrap", "json", "heapq", "argparse", "string", "fractions")
@@ -57,11 +57,7 @@ def main() -> None:
           f"| {'other texts':>18}")
     for fmt in ["f16"] + args.formats.split(","):
         engine = base if fmt == "f16" else strata_runtime.load(path, kv=fmt, progress=False, context_length=512)
-        plain = agreement(base_ref, logits_of(engine, reference))
-        runs = []
-        for seed in range(args.nudges):
-            with nudged(engine, seed):
-                runs.append(agreement(base_ref, logits_of(engine, reference)))
+        plain, runs = plain_and_nudged(engine, base_ref, reference, args.nudges)
         other = agreement(base_other, logits_of(engine, others))
         kls = [r.kl for r in runs]
         spread = f"{statistics.mean(kls):.4f} ({statistics.stdev(kls):.4f}, {min(kls):.4f}-{max(kls):.4f})"

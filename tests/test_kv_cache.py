@@ -11,7 +11,7 @@ import torch
 
 import strata_runtime
 from strata_runtime.kv_cache import KVCache, PREFILL_CHUNK
-from strata_runtime.quality import Agreement, agreement, logits_of, nudged
+from strata_runtime.quality import Agreement, logits_of, plain_and_nudged
 
 
 def test_memory_per_token_by_format(engine):
@@ -47,12 +47,7 @@ def measure(engine, model_file, reference_float32):
         if kv not in figures:
             quant = engine if kv == "f16" else strata_runtime.load(model_file, kv=kv, progress=False,
                                                                    context_length=512)
-            plain = agreement(base, logits_of(quant, texts))
-            draws = []
-            for seed in range(NUDGES[kv]):
-                with nudged(quant, seed):
-                    draws.append(agreement(base, logits_of(quant, texts)))
-            figures[kv] = plain, draws
+            plain, draws = figures[kv] = plain_and_nudged(quant, base, texts, NUDGES[kv])
             kls = [plain.kl] + [d.kl for d in draws]
             print(f"{kv} KV vs f16 KV over {plain.positions} positions: plain run top-1 {plain.top1:.1%}, "
                   f"KL {plain.kl:.4f}; over it and {len(draws)} nudged runs mean top-1 "

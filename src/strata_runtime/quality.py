@@ -61,3 +61,16 @@ def nudged(engine, seed: int, relative: float = 1e-6) -> Iterator[None]:
 
 def logits_of(engine, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     return [engine.logits(tokens) for tokens in token_lists]
+
+
+def plain_and_nudged(engine, reference: Sequence[torch.Tensor], token_lists: Sequence[Sequence[int]],
+                     nudges: int) -> tuple[Agreement, list[Agreement]]:
+    """``engine``'s agreement with the ``reference`` logits of ``token_lists``:
+    the plain run, and one run under ``nudged(engine, seed)`` for each seed
+    below ``nudges``."""
+    plain = agreement(reference, logits_of(engine, token_lists))
+    draws = []
+    for seed in range(nudges):
+        with nudged(engine, seed):
+            draws.append(agreement(reference, logits_of(engine, token_lists)))
+    return plain, draws

@@ -83,7 +83,7 @@ class Sampler:
             logits, candidates = reachable_head(logits, log_total, p)
         else:
             candidates = torch.arange(logits.shape[0])  # every token, unsorted: nothing below needs the order
-        # From here on, candidates are sorted by logit, highest first.
+        # From here on, wherever top-p or min-p cut them, candidates are sorted by logit, highest first.
         if p.top_p < 1.0:
             probs = torch.softmax(logits, dim=-1) if log_total is None else torch.exp(logits - log_total)
             before = torch.cumsum(probs, dim=-1) - probs

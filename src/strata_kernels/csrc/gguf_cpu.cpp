@@ -40,7 +40,6 @@ namespace {
 
 constexpr int kPrefetchRows = 4;
 
-
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);

@@ -105,6 +105,119 @@ def test_gpt2_bpe_matches_the_tokenizers_it_came_from(tmp_path):
         expected = hf.encode(text).ids
         assert ours.encode(text, add_bos=False) == expected, text
         assert ours.decode(expected) == text
+    long = "\n".join(corpus[:3]) * 20
+    ours.CHUNK_CHARS = 64  # cut after newlines: still the same ids
+    assert len(ours._chunks(long)) > 10 and ours.encode(long, add_bos=False) == hf.encode(long).ids
     eot = vocab["<|endoftext|>"]
     assert eot in ours.encode("a<|endoftext|>b", add_bos=False, special=True)
     assert ours.end_of_generation == {eot}
+
+
+# --- exactness of the fast paths, and long prompts ----------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from strata_runtime import Cancelled, StrataError  # noqa: E402
+from strata_runtime.special_tokens import SpecialTokenSplitter  # noqa: E402
+from strata_runtime.spm import SPM_SPACE, merge_reference  # noqa: E402
+
+
+def _split_like_llamacpp(text: str, specials: list[tuple[str, int]]) -> list:
+    """llama.cpp's loop as written there: longest token first, each split out of
+    every fragment not yet claimed (the oracle for SpecialTokenSplitter)."""
+    pieces: list = [text] if text else []
+    for token_text, token_id in sorted(specials, key=lambda s: (-len(s[0]), s[1])):
+        split: list = []
+        for p in pieces:
+            if isinstance(p, int):
+                split.append(p)
+                continue
+            for i, part in enumerate(p.split(token_text)):
+                if i:
+                    split.append(token_id)
+                if part:
+                    split.append(part)
+        pieces = split
+    return pieces
+
+
+SMALL = st.text(alphabet="abc<>", min_size=1, max_size=5)
+
+
+@settings(max_examples=400, deadline=None)
+@given(specials=st.lists(SMALL, min_size=1, max_size=8, unique=True), text=st.text(alphabet="abc<> ", max_size=60))
+def test_special_token_splitting_follows_llamacpp_order(specials, text):
+    """Overlapping specials ('ab' before 'bcd' in 'abcd'): the longer one wins, as in llama.cpp."""
+    pairs = [(t, 100 + i) for i, t in enumerate(specials)]
+    assert SpecialTokenSplitter(pairs).split(text) == _split_like_llamacpp(text, pairs)
+
+
+def test_special_token_splitting_prefers_the_longer_token_that_starts_later():
+    pairs = [("ab", 1), ("bcde", 2)]
+    assert SpecialTokenSplitter(pairs).split("xabcdey") == ["xa", 2, "y"]
+
+
+# Texts that make merges compete: periodic runs, repeated punctuation, mixed scripts.
+MERGE_TEXT = st.one_of(
+    st.text(alphabet="ab ", max_size=80),
+    st.text(alphabet="=-_ \t#*", max_size=80),
+    st.text(alphabet="aeiou ntrsl.,", max_size=120),
+    st.text(alphabet="的是不了人我 ", max_size=40),
+    st.text(max_size=60),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=MERGE_TEXT)
+def test_fast_sentencepiece_model_equals_the_reference_merge(tok, text):
+    """The ``tokenizers`` model built from the GGUF's scores gives llama.cpp's merge, id for id."""
+    text = text.replace(" ", SPM_SPACE)
+    fast = tok._fast_spm_model().encode(text, add_special_tokens=False).ids
+    assert fast == merge_reference(text, tok.ids, tok.vocab.scores, tok._byte_token)
+
+
+def test_fast_sentencepiece_model_on_source_code(tok):
+    import inspect
+
+    import strata_runtime.engine as module
+
+    for line in inspect.getsource(module).splitlines():
+        text = line.replace(" ", SPM_SPACE)
+        fast = tok._fast_spm_model().encode(text, add_special_tokens=False).ids
+        assert fast == merge_reference(text, tok.ids, tok.vocab.scores, tok._byte_token), line
+
+
+def test_long_text_in_chunks_equals_one_piece(tok, reference_llamacpp, monkeypatch):
+    """A long stretch is cut where no token can span the cut: the ids do not change."""
+    text = " ".join(case["text"] for case in reference_llamacpp["teacher_forced"]).replace("\n", " ")
+    monkeypatch.setattr(tok, "CHUNK_CHARS", 10**9)
+    whole = tok.encode(text)
+    monkeypatch.setattr(tok, "CHUNK_CHARS", 200)
+    assert len(tok._chunks(text.replace(" ", SPM_SPACE))) > 10
+    assert tok.encode(text) == whole
+
+
+def test_a_cancelled_tokenization_stops_between_chunks(tok):
+    asked = []
+
+    def abort() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(Cancelled):
+        tok.encode("word " * 50_000, abort=abort)
+    assert len(asked) == 3
+
+
+def test_lone_surrogates_are_refused_with_their_position(tok):
+    with pytest.raises(StrataError, match=r"lone surrogate .* at character 2"):
+        tok.encode("ab\ud800c")
+    assert tok.encode("ok \U0001F999") == tok.encode("ok \ud83e\udd99".encode("utf-16", "surrogatepass").decode("utf-16"))
+
+
+def test_max_chars_bounds_any_text_that_fits(tok):
+    """No token spells more than max_token_chars characters, so longer text cannot fit."""
+    assert tok.max_token_chars == max(len(t) for t in tok.vocab.tokens)
+    run = " " * tok.max_token_chars * 4
+    assert len(tok.encode(run, add_bos=False)) >= len(run) / tok.max_token_chars

@@ -19,3 +19,7 @@ class ContextLengthError(StrataError):
             f"the prompt has {prompt_tokens} tokens but the context holds {context_length}; "
             f"shorten the prompt or load with a larger context_length"
         )
+
+
+class Cancelled(StrataError):
+    """The caller asked to stop (its ``abort`` said yes) before the work was done."""

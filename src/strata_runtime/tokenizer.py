@@ -3,30 +3,34 @@
 Two vocabularies, as llama.cpp reads them:
 
 - ``llama`` (SentencePiece, as in Gemma): bigram merging by token score with
-  byte fallback, implemented here because it is llama.cpp's exact algorithm
-  (the GGUF carries scores, not a SentencePiece model or a merge list).
+  byte fallback, llama.cpp's exact algorithm (``spm.py``: the GGUF carries
+  scores, not a SentencePiece model or a merge list).
 - ``gpt2`` (byte-level BPE, as in Llama 3 and Qwen): the GGUF merge list run by
   the ``tokenizers`` library, after the pre-tokenizer regex that
   ``tokenizer.ggml.pre`` names.
 
 Both first split the text on user-defined tokens (always) and control tokens
-(when ``special=True``), longest first, as llama.cpp does.
+(when ``special=True``), longest first, as llama.cpp does (``special_tokens.py``).
 """
 
 from __future__ import annotations
 
 import codecs
-import heapq
+import logging
+import re
+import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from .errors import ModelFileError
+from .errors import Cancelled, ModelFileError, StrataError
 from .gguf_file import GGUFFile
+from .special_tokens import SpecialTokenSplitter
+from .spm import SPM_SPACE, build_fast_model, merge_reference, safe_split_pattern
+
+log = logging.getLogger(__name__)
 
 # gguf TokenType values.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
 # Pre-tokenizer regexes of the byte-level BPE vocabularies (llama.cpp's table,
 # keyed by tokenizer.ggml.pre).
@@ -111,7 +115,18 @@ def read_vocabulary(gguf: GGUFFile) -> Vocabulary:
 
 
 class Tokenizer:
-    """Text <-> token ids for one vocabulary."""
+    """Text <-> token ids for one vocabulary.
+
+    Encoding splits the text at special tokens (``special_tokens``), then
+    tokenizes each plain stretch: SentencePiece stretches by llama.cpp's
+    merge (``spm``: in Python, or through ``tokenizers`` once that model is
+    built, on the first stretch of ``FAST_FROM_CHARS`` characters or by
+    ``prepare()``; both exact), BPE stretches by ``tokenizers``. Long
+    stretches go in chunks of about ``CHUNK_CHARS``, cut where no token can
+    span the cut, with a check of ``abort`` between chunks."""
+
+    FAST_FROM_CHARS = 2048
+    CHUNK_CHARS = 16384
 
     def __init__(self, vocab: Vocabulary):
         if vocab.model not in ("llama", "gpt2"):
@@ -120,14 +135,24 @@ class Tokenizer:
             )
         self.vocab = vocab
         self.ids = {text: i for i, text in enumerate(vocab.tokens)}
-        by_length = sorted(range(vocab.size), key=lambda i: -len(vocab.tokens[i]))
-        self._user_defined = [(vocab.tokens[i], i) for i in by_length if vocab.types[i] == USER_DEFINED]
-        self._all_special = [
-            (vocab.tokens[i], i) for i in by_length if vocab.types[i] in (USER_DEFINED, CONTROL, UNKNOWN)
-        ]
+        types = vocab.types
+        self._user_defined = SpecialTokenSplitter(
+            [(t, i) for i, t in enumerate(vocab.tokens) if types[i] == USER_DEFINED])
+        self._special = SpecialTokenSplitter(
+            [(t, i) for i, t in enumerate(vocab.tokens) if types[i] in (USER_DEFINED, CONTROL, UNKNOWN)])
+        self.max_token_chars = max((len(t) for t in vocab.tokens), default=1)
         self._piece_bytes = self._build_piece_bytes()
         self.end_of_generation = frozenset(self._end_of_generation_ids())
-        self._bpe = self._build_bpe() if vocab.model == "gpt2" else None
+        self._unknown_id = next((i for i, t in enumerate(types) if t == UNKNOWN), 0)
+        if vocab.model == "gpt2":
+            self._bpe = self._build_bpe()
+            # The pre-tokenizer regexes never match across a newline followed by a non-space.
+            self._safe_split = re.compile(r"(?<=\n)(?=\S)")
+        else:
+            self._bpe = None
+            self._mergeable = [t != BYTE for t in types]
+            self._safe_split = safe_split_pattern(vocab.tokens, self._mergeable)
+        self._fast_spm = None  # built on the first long stretch (seconds for a large vocabulary)
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> "Tokenizer":
@@ -141,101 +166,88 @@ class Tokenizer:
     def eos_id(self) -> int | None:
         return self.vocab.eos_id
 
+    def max_chars(self, tokens: int) -> int:
+        """The most characters that ``tokens`` tokens can spell: longer text can never fit."""
+        return tokens * self.max_token_chars
+
     # --- encoding -------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True, special: bool = False, *,
+               unescape: Callable[[str], str] | None = None, abort: Callable[[], bool] | None = None) -> list[int]:
         """Token ids for ``text``; ``special=True`` also matches control tokens
-        such as ``<start_of_turn>`` written in the text."""
+        such as ``<start_of_turn>`` written in the text.
+
+        ``unescape`` turns each plain stretch back into the text it stands for
+        (``ControlTextGuard.restore``), which is then tokenized as plain text.
+        ``abort`` is asked between chunks of a long text; when it says yes,
+        ``Cancelled`` is raised."""
+        check_text(text)
         out: list[int] = []
         if add_bos and self.vocab.add_bos and self.vocab.bos_id is not None:
             out.append(self.vocab.bos_id)
+        splitter = self._special if special else self._user_defined
         prev_special = True
-        for piece in self._partition(text, special):
+        for piece in splitter.split(text):
             if isinstance(piece, int):
                 out.append(piece)
                 prev_special = True
                 continue
+            restored = piece if unescape is None else unescape(piece)
+            parts = [restored] if restored is piece else self._user_defined.split(restored)
+            for part in parts:
+                if isinstance(part, int):
+                    out.append(part)
+                    prev_special = True
+                else:
+                    self._encode_plain(part, prev_special, out, abort)
+                    prev_special = False
+        return out
+
+    def _encode_plain(self, text: str, after_special: bool, out: list[int], abort) -> None:
+        if self._bpe is None:
+            if self.vocab.add_space_prefix and after_special:
+                text = " " + text
+            text = text.replace(" ", SPM_SPACE)
+        for chunk in self._chunks(text):
+            if abort is not None and abort():
+                raise Cancelled("tokenization was cancelled")
             if self._bpe is not None:
-                out.extend(self._bpe.encode(piece, add_special_tokens=False).ids)
+                out.extend(self._bpe.encode(chunk, add_special_tokens=False).ids)
+            elif self._fast_spm is None and len(chunk) < self.FAST_FROM_CHARS:
+                out.extend(merge_reference(chunk, self.ids, self.vocab.scores, self._byte_token))
             else:
-                if self.vocab.add_space_prefix and prev_special:
-                    piece = " " + piece
-                out.extend(self._spm_encode(piece.replace(" ", SPM_SPACE)))
-            prev_special = False
-        return out
+                out.extend(self._fast_spm_model().encode(chunk, add_special_tokens=False).ids)
 
-    def _partition(self, text: str, special: bool) -> list[str | int]:
-        pieces: list[str | int] = [text]
-        for token_text, token_id in self._all_special if special else self._user_defined:
-            if not any(isinstance(p, str) and token_text in p for p in pieces):
-                continue
-            split: list[str | int] = []
-            for p in pieces:
-                if isinstance(p, int) or token_text not in p:
-                    split.append(p)
-                    continue
-                for i, part in enumerate(p.split(token_text)):
-                    if i:
-                        split.append(token_id)
-                    if part:
-                        split.append(part)
-            pieces = split
-        return pieces
+    def _chunks(self, text: str) -> list[str]:
+        """``text`` cut at safe places into chunks of about ``CHUNK_CHARS``."""
+        if len(text) <= self.CHUNK_CHARS:
+            return [text]
+        chunks, start = [], 0
+        while len(text) - start > self.CHUNK_CHARS:
+            cut = self._safe_split.search(text, start + self.CHUNK_CHARS)
+            if cut is None:
+                break
+            chunks.append(text[start:cut.start()])
+            start = cut.start()
+        chunks.append(text[start:])
+        return chunks
 
-    def _spm_encode(self, text: str) -> list[int]:
-        """llama.cpp's SentencePiece tokenizer: repeatedly merge the adjacent
-        pair whose joined text is the highest-scoring token (leftmost on ties)."""
-        n = len(text)
-        if n == 0:
-            return []
-        start = list(range(n))
-        length = [1] * n
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        heap: list[tuple[float, int, int, int]] = []
-        ids, scores = self.ids, self.vocab.scores
+    def _fast_spm_model(self):
+        if self._fast_spm is None:
+            t0 = time.perf_counter()
+            unknown = self.vocab.tokens[self._unknown_id] if self.vocab.types[self._unknown_id] == UNKNOWN else None
+            self._fast_spm = build_fast_model(self.vocab.tokens, self.ids, self.vocab.scores, self._mergeable, unknown)
+            log.info("built the fast SentencePiece tokenizer in %.1f s", time.perf_counter() - t0)
+        return self._fast_spm
 
-        def push(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            joined = text[start[left]:start[left] + length[left] + length[right]]
-            token = ids.get(joined)
-            if token is not None:
-                heapq.heappush(heap, (-scores[token], left, right, len(joined)))
-
-        for i in range(1, n):
-            push(i - 1, i)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
-                continue  # stale: one side was merged since
-            length[left] += length[right]
-            length[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
-
-        out: list[int] = []
-        i = 0
-        while i != -1:
-            piece = text[start[i]:start[i] + length[i]]
-            token = ids.get(piece)
-            if token is not None:
-                out.append(token)
-            else:
-                out.extend(self._byte_token(b) for b in piece.encode("utf-8"))
-            i = nxt[i]
-        return out
+    def prepare(self) -> None:
+        """Build what the first long prompt would otherwise wait for (a server calls this at start)."""
+        if self._bpe is None:
+            self._fast_spm_model()
 
     def _byte_token(self, byte: int) -> int:
         token = self.ids.get(f"<0x{byte:02X}>")
-        if token is None:
-            unk = next((i for i, t in enumerate(self.vocab.types) if t == UNKNOWN), 0)
-            return unk
-        return token
+        return self._unknown_id if token is None else token
 
     def _build_bpe(self):
         from tokenizers import Regex
@@ -331,3 +343,16 @@ def decode_stream(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
     pieces = [dec.push(i) for i in ids]
     pieces.append(dec.flush())
     return pieces
+
+
+def check_text(text: str) -> None:
+    """Text that can be tokenized: a ``str`` of Unicode characters (no lone surrogate)."""
+    if not isinstance(text, str):
+        raise StrataError(f"expected text (str), got {type(text).__name__}")
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise StrataError(f"the text has a lone surrogate ({text[e.start]!r}) at character {e.start}; "
+                          f"text must be valid Unicode (a surrogate pair joined into one character)") from None

@@ -113,6 +113,10 @@ def test_penalty_window():
     ("repetition_penalty", 0.0, "repetition_penalty must be above 0"),
     ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\]"),
     ("stop", ["ok", ""], "stop must be a list of non-empty strings"),
+    ("stop", [f"s{i}" for i in range(17)], "stop has 17 strings; at most 16"),
+    ("stop", ["x" * 257], "at most 256 characters"),
+    ("seed", 2**64, r"seed must be a whole number in \[-2\*\*63, 2\*\*64 - 1\]"),
+    ("seed", -(2**63) - 1, "seed must be a whole number"),
 ])
 def test_bad_values_name_the_fix(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -156,3 +160,14 @@ def test_stream_equals_cutting_the_whole_text(pieces, stop):
     whole = "".join(pieces)
     expected = whole[: whole.find(stop)] if stop in whole else whole
     assert text == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abc", max_size=12), st.lists(st.text(alphabet="abc", min_size=1, max_size=6), min_size=1,
+                                                       max_size=4))
+def test_held_back_text_is_the_longest_end_that_begins_a_stop(text, stops):
+    """The per-character index of stop prefixes finds what trying every length finds."""
+    stream = StopTextStream(_Pieces([]), tuple(stops))
+    naive = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    assert stream._longest_stop_prefix_suffix(text) == naive
+

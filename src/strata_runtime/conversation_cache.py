@@ -89,10 +89,12 @@ class _Stored:
 class Snapshot:
     """A parked sequence: ``tokens`` (whose KV it holds) and, per layer, the
     positions its store still held: ``0..length-1`` for full-attention layers,
-    the ring's last ``capacity`` positions for sliding ones."""
+    the ring's last ``capacity`` positions for sliding ones. Only a request of
+    the same ``scope`` may restore it."""
 
     tokens: tuple[int, ...]
     stored: _Stored
+    scope: str = ""
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -104,11 +106,13 @@ class Snapshot:
 class Checkpoint:
     """Running state at ``position`` of the sequence ``tokens``: the last
     ``window`` positions of every sliding-window layer. ``root`` checkpoints
-    (the end of a system prompt) are never evicted."""
+    (the end of a system prompt) are never evicted. Only a request of the
+    same ``scope`` may restore it."""
 
     tokens: tuple[int, ...]
     stored: _Stored
     root: bool
+    scope: str = ""
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -268,18 +272,19 @@ class ConversationCache:
 
     # --- park -------------------------------------------------------------------
 
-    def park(self, cache: KVCache, tokens: Sequence[int]) -> Outcome:
-        """Copy the live sequence (``tokens``, all in ``cache``) into the pool."""
+    def park(self, cache: KVCache, tokens: Sequence[int], scope: str = "") -> Outcome:
+        """Copy the live sequence (``tokens``, all in ``cache``, computed for a
+        request of ``scope``) into the pool."""
         tokens = tuple(tokens[:cache.length])
         # Nothing to do is not a failure: neither logged as one nor counted as skipped.
         if len(tokens) < self.min_park_tokens:
             return Skipped(f"not parked ({len(tokens)} tokens is too short to be worth it)", "not_needed")
-        if any(s.tokens == tokens for s in self.snapshots):
+        if any(s.tokens == tokens and s.scope == scope for s in self.snapshots):
             return Skipped("not parked (already parked)", "not_needed")
         t0 = time.perf_counter()
         layers = [(i, max(0, len(tokens) - s.capacity), len(tokens)) for i, s in enumerate(cache.stores)]
         # A snapshot this sequence extends is superseded: free its pages first.
-        for old in [s for s in self.snapshots if tokens[:s.length] == s.tokens]:
+        for old in [s for s in self.snapshots if tokens[:s.length] == s.tokens and s.scope == scope]:
             self._drop(old)
         while len(self.snapshots) >= self.slots:
             self._drop(min(self.snapshots, key=lambda s: s.last_used))
@@ -287,12 +292,12 @@ class ConversationCache:
         stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot")
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"skip parking ({stored.reason})", stored.cause), "park")
-        self.snapshots.append(Snapshot(tokens, stored))
+        self.snapshots.append(Snapshot(tokens, stored, scope))
         return self._record(Parked(len(tokens), stored.nbytes, time.perf_counter() - t0), "park")
 
     # --- checkpoints --------------------------------------------------------------
 
-    def save_checkpoint(self, cache: KVCache, tokens: Sequence[int], root: bool = False) -> Outcome:
+    def save_checkpoint(self, cache: KVCache, tokens: Sequence[int], root: bool = False, scope: str = "") -> Outcome:
         """Save the running state of ``cache`` at its current length (``tokens`` are its tokens)."""
         tokens = tuple(tokens[:cache.length])
         p = len(tokens)
@@ -300,14 +305,14 @@ class ConversationCache:
         if not sliding:
             return self._record(Skipped("checkpoint save skipped (no running state)", "no_running_state"), "checkpoint")
         for c in self.checkpoints:
-            if c.tokens == tokens:
+            if c.tokens == tokens and c.scope == scope:
                 c.root |= root
                 c.last_used = time.monotonic()
                 return self._record(Saved(p, c.stored.nbytes), "checkpoint")
         stored = self._store(cache, sliding, "checkpoint_copy", f"a checkpoint at {p}")
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"checkpoint save skipped ({stored.reason})", stored.cause), "checkpoint")
-        self.checkpoints.append(Checkpoint(tokens, stored, root))
+        self.checkpoints.append(Checkpoint(tokens, stored, root, scope))
         return self._record(Saved(p, stored.nbytes), "checkpoint")
 
     def checkpoint_positions(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
@@ -317,29 +322,34 @@ class ConversationCache:
 
     # --- restore --------------------------------------------------------------------
 
-    def _best_checkpoint(self, prompt: Sequence[int], upto: int) -> Checkpoint | None:
-        fits = [c for c in self.checkpoints if 0 < c.position <= upto and tuple(prompt[:c.position]) == c.tokens]
+    def _best_checkpoint(self, prompt: Sequence[int], upto: int, scope: str) -> Checkpoint | None:
+        fits = [c for c in self.checkpoints
+                if c.scope == scope and 0 < c.position <= upto and tuple(prompt[:c.position]) == c.tokens]
         return max(fits, key=lambda c: c.position, default=None)
 
-    def _plan_restore(self, cache: KVCache, length: int, shared: int, prompt):
+    def _plan_restore(self, cache: KVCache, length: int, shared: int, prompt, scope: str):
         """Where a source holding ``length`` positions (``shared`` of them
         matching the prompt) can restart: (position, checkpoint or None)."""
         if all(w is None or ring_serves(length, s.capacity, w, shared)
                for w, s in zip(cache.windows, cache.stores)):
             return shared, None
-        cp = self._best_checkpoint(prompt, shared)
+        cp = self._best_checkpoint(prompt, shared, scope)
         return (cp.position, cp) if cp else (0, None)
 
-    def restore(self, cache: KVCache, live_tokens: Sequence[int], prompt: Sequence[int]) -> Outcome:
-        """Make ``cache`` (holding ``live_tokens``) hold the longest prefix of
-        ``prompt`` that the live sequence, a parked snapshot and the
-        checkpoints can give, leaving at least one prompt token to prefill."""
+    def restore(self, cache: KVCache, live_tokens: Sequence[int], prompt: Sequence[int], scope: str = "",
+                live_scope: str = "") -> Outcome:
+        """Make ``cache`` (holding ``live_tokens`` of ``live_scope``) hold the
+        longest prefix of ``prompt`` that the live sequence, a parked snapshot
+        and the checkpoints of ``scope`` can give, leaving at least one prompt
+        token to prefill."""
         limit = len(prompt) - 1
-        live_shared = min(common_prefix(live_tokens[:cache.length], prompt), limit)
-        best = (*self._plan_restore(cache, cache.length, live_shared, prompt), None)
+        live_shared = min(common_prefix(live_tokens[:cache.length], prompt), limit) if live_scope == scope else 0
+        best = (*self._plan_restore(cache, cache.length, live_shared, prompt, scope), None)
         for snap in self.snapshots:
+            if snap.scope != scope:
+                continue
             shared = min(common_prefix(snap.tokens, prompt), limit)
-            position, cp = self._plan_restore(cache, snap.length, shared, prompt)
+            position, cp = self._plan_restore(cache, snap.length, shared, prompt, scope)
             if position > best[0]:
                 best = (position, cp, snap)
         position, cp, snap = best

@@ -6,12 +6,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .chat_prompt import TurnMarker, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
-from .conversation_cache import ConversationCache, Restored
+from .conversation_cache import ConversationCache, Restored, common_prefix
 from .default_model import default_model_path
 from .errors import ContextLengthError, StrataError
 from .generation import forward_chunks, generate_tokens
@@ -169,8 +170,11 @@ class Engine:
     """One model and its live sequence.
 
     Invariant: ``_cache`` holds the keys and values of exactly
-    ``_cache_tokens``; a new prompt that starts with some of them reuses
-    that prefix and prefills only the rest.
+    ``_cache_tokens``, computed for a request of ``_cache_scope``; a new
+    prompt of the same scope that starts with some of them reuses that
+    prefix and prefills only the rest. Requests of different scopes never
+    share cached state (one scope per API key or ``cache_salt`` in a server),
+    so how long a prompt takes to start says nothing about another scope's.
     """
 
     def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig,
@@ -188,8 +192,10 @@ class Engine:
             _token_text(tokenizer, tokenizer.bos_id),
             _token_text(tokenizer, tokenizer.eos_id),
         )
+        self._turns = TurnMarker.of(self.chat_template, tokenizer)
         self._cache: KVCache = self.new_cache(self.context_length)
         self._cache_tokens: list[int] = []
+        self._cache_scope = ""
         self.conversations = self._reserve_conversation_cache(config, memory)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
@@ -248,44 +254,47 @@ class Engine:
         with torch.inference_mode():
             return forward_chunks(self.model, cache, tokens, last_only=False).float().cpu()
 
-    def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
-        run = self._start(prompt, sampling)
+    def generate(self, prompt: str | Sequence[int], *, abort: Callable[[], bool] | None = None,
+                 cache_scope: str = "", **sampling: Any) -> Completion:
+        """Continue ``prompt`` (text, or token ids) with the sampling options of
+        ``SamplingParams``. ``abort`` is asked between chunks of tokenizing and
+        prefilling (``Cancelled`` when it says yes); ``cache_scope`` keeps this
+        request's cached prefixes apart from other scopes'."""
+        run = self._start(prompt, sampling, abort=abort, cache_scope=cache_scope)
         for _ in run:
             pass
         return run.completion
 
-    def stream(self, prompt: str | Sequence[int], **sampling: Any) -> Iterator[str]:
+    def stream(self, prompt: str | Sequence[int], *, abort: Callable[[], bool] | None = None,
+               cache_scope: str = "", **sampling: Any) -> Iterator[str]:
         """Text pieces as they are decoded (same arguments as ``generate``).
         Arguments are checked here, before the first piece is asked for."""
-        return iter(self._start(prompt, sampling))
+        return iter(self._start(prompt, sampling, abort=abort, cache_scope=cache_scope))
 
-    def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **sampling: Any):
+    def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False,
+             abort: Callable[[], bool] | None = None, cache_scope: str = "", **sampling: Any):
         """Generate the assistant's reply to ``messages`` through the model's chat template."""
-        prompt = self.chat_prompt(messages)
-        # Turn boundaries are where a returning conversation diverges: checkpoint
-        # there. Rendering each prefix costs tokenizer work, so only with a cache.
-        boundaries = [] if self.conversations is None else [
-            len(self.chat_prompt(messages[:i], add_generation_prompt=False)) for i in range(1, len(messages))
-        ]
+        prompt = self.chat_prompt(messages, abort=abort)
+        # Turn boundaries are where a returning conversation diverges: checkpoint there.
+        boundaries = [] if self.conversations is None or self._turns is None else self._turns.boundaries(prompt)
         root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None
-        run = self._start(prompt, sampling, boundaries, root=root)
+        run = self._start(prompt, sampling, boundaries, root=root, abort=abort, cache_scope=cache_scope)
         if stream:
             return iter(run)
         for _ in run:
             pass
         return run.completion
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    abort: Callable[[], bool] | None = None) -> list[int]:
+        """The prompt tokens of ``messages``: control tokens come from the
+        template only; a control token's text inside a message stays text."""
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"{self.gguf.path} has no chat template (tokenizer.chat_template); use generate() with a plain prompt"
             )
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        ids = self.tokenizer.encode(text, add_bos=False, special=True)
-        bos = self.tokenizer.bos_id
-        if self.tokenizer.vocab.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
+        return render_and_tokenize(self.chat_template, self.tokenizer, messages, add_generation_prompt,
+                                   self._check_chars, abort)
 
     def props(self) -> dict[str, Any]:
         c = self.gguf.config
@@ -327,6 +336,16 @@ class Engine:
         return (f"built for -march={cpu_kernels.target()}: {built.simd}"
                 + (", bf16 dot product" if built.bf16_dot else ""))
 
+    def max_prompt_chars(self) -> int:
+        """Text longer than this cannot fit the context, whatever it says."""
+        return self.tokenizer.max_chars(self.context_length)
+
+    def _check_chars(self, characters: int) -> None:
+        """Refuse text that cannot fit before spending any time tokenizing it."""
+        if characters > self.max_prompt_chars():
+            raise ContextLengthError(None, self.context_length, characters=characters,
+                                     max_characters=self.max_prompt_chars())
+
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in tokens]
         if not tokens:
@@ -338,65 +357,76 @@ class Engine:
         return tokens
 
     def _start(self, prompt: str | Sequence[int], sampling: dict[str, Any],
-               boundaries: Sequence[int] = (), root: int | None = None) -> "_Run":
+               boundaries: Sequence[int] = (), root: int | None = None, *,
+               abort: Callable[[], bool] | None = None, cache_scope: str = "") -> "_Run":
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
             raise TypeError(f"{e}; sampling options are {', '.join(f.name for f in dataclasses.fields(SamplingParams))}") from None
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not isinstance(cache_scope, str):
+            raise TypeError(f"cache_scope must be a string, got {type(cache_scope).__name__}")
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt))
+            ids = self.tokenizer.encode(prompt, abort=abort)
+        else:
+            if len(prompt) >= self.context_length:
+                raise ContextLengthError(len(prompt), self.context_length)
+            ids = list(prompt)
         ids = self._check_tokens(ids)
         if len(ids) >= self.context_length:
             raise ContextLengthError(len(ids), self.context_length)
-        return _Run(self, ids, params, boundaries, root)
+        return _Run(self, ids, params, boundaries, root, abort, cache_scope)
 
-    def _reuse_prefix(self, prompt: list[int]) -> int:
+    def _reuse_prefix(self, prompt: list[int], scope: str) -> int:
         """Make the live cache hold the longest prefix of ``prompt`` it can,
         keeping at least one prompt token to prefill; return its length.
 
         A prompt that extends the live sequence just continues it. Otherwise
         the live sequence is parked and the best of itself, the parked
         snapshots and the checkpoints is restored (with a conversation cache),
-        or the live cache is cut back where its rings allow."""
+        or the live cache is cut back where its rings allow. Only state of
+        the same ``scope`` is reused."""
         live = self._cache_tokens[: self._cache.length]
-        shared = 0
-        for a, b in zip(live, prompt):
-            if a != b:
-                break
-            shared += 1
-        if shared == len(live) and shared < len(prompt):
+        live_scope = self._cache_scope
+        shared = common_prefix(live, prompt) if live_scope == scope else 0
+        if live_scope == scope and shared == len(live) and shared < len(prompt):
             return shared
         cc = self.conversations
         if cc is None:
             return self._cache.trim(min(shared, len(prompt) - 1))
-        cc.park(self._cache, live)
-        outcome = cc.restore(self._cache, live, prompt)
+        cc.park(self._cache, live, scope=live_scope)
+        outcome = cc.restore(self._cache, live, prompt, scope=scope, live_scope=live_scope)
         return outcome.position if isinstance(outcome, Restored) else 0
 
-    def _prefill_with_checkpoints(self, prompt: list[int], boundaries: Sequence[int], root: int | None) -> None:
+    def _prefill_with_checkpoints(self, prompt: list[int], boundaries: Sequence[int], root: int | None,
+                                  scope: str, abort: Callable[[], bool] | None) -> None:
         """Prefill up to each checkpoint position and save the running state there."""
         cc = self.conversations
         if cc is None:
             return
         for p in cc.checkpoint_positions(self._cache.length, len(prompt) - 1, boundaries):
-            forward_chunks(self.model, self._cache, prompt[self._cache.length:p], last_only=True)
-            cc.save_checkpoint(self._cache, prompt[:p], root=p == root)
+            forward_chunks(self.model, self._cache, prompt[self._cache.length:p], last_only=True, abort=abort)
+            cc.save_checkpoint(self._cache, prompt[:p], root=p == root, scope=scope)
 
 
 class _Run:
     """One generation: iterate for text pieces; ``completion`` when done."""
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams,
-                 boundaries: Sequence[int] = (), root: int | None = None):
+                 boundaries: Sequence[int] = (), root: int | None = None,
+                 abort: Callable[[], bool] | None = None, scope: str = ""):
         self.engine = engine
         self.prompt = prompt
         self.params = params
         self.boundaries = boundaries
         self.root = root
+        self.abort = abort
+        self.scope = scope
         self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[str]:
         e, p = self.engine, self.params
-        cached = e._reuse_prefix(self.prompt)
+        cached = e._reuse_prefix(self.prompt, self.scope)
         room = e.context_length - len(self.prompt)
         max_tokens = min(p.max_tokens, room)
         text = StopTextStream(e.tokenizer.stream_decoder(), p.stop)
@@ -410,12 +440,14 @@ class _Run:
             t_first = time.perf_counter()
 
         e._cache_tokens = list(self.prompt[:cached])
+        e._cache_scope = self.scope
         ended = False  # False when the consumer closed us early (or an error ended us)
         try:
             with torch.inference_mode():
-                e._prefill_with_checkpoints(self.prompt, self.boundaries, self.root)
+                e._prefill_with_checkpoints(self.prompt, self.boundaries, self.root, self.scope, self.abort)
                 for token in generate_tokens(
-                    e.model, e._cache, self.prompt, Sampler(p), max_tokens, e.tokenizer.end_of_generation, prefilled
+                    e.model, e._cache, self.prompt, Sampler(p), max_tokens, e.tokenizer.end_of_generation, prefilled,
+                    self.abort,
                 ):
                     if token in e.tokenizer.end_of_generation:
                         finish = "stop"

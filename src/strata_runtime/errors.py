@@ -10,15 +10,23 @@ class ModelFileError(StrataError):
 
 
 class ContextLengthError(StrataError):
-    """A prompt that does not fit the context (never truncated silently)."""
+    """A prompt that does not fit the context (never truncated silently).
 
-    def __init__(self, prompt_tokens: int, context_length: int):
+    Raised with the prompt's token count, or, for text too long to be worth
+    tokenizing, with its character count and the most characters the
+    context's tokens can spell."""
+
+    def __init__(self, prompt_tokens: int | None, context_length: int, *, characters: int | None = None,
+                 max_characters: int | None = None):
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
-        super().__init__(
-            f"the prompt has {prompt_tokens} tokens but the context holds {context_length}; "
-            f"shorten the prompt or load with a larger context_length"
-        )
+        self.characters = characters
+        if prompt_tokens is not None:
+            what = f"the prompt has {prompt_tokens} tokens but the context holds {context_length}"
+        else:
+            what = (f"the prompt has {characters} characters, more than the {context_length} tokens of the "
+                    f"context can hold (at most {max_characters} characters)")
+        super().__init__(f"{what}; shorten the prompt or load with a larger context_length")
 
 
 class Cancelled(StrataError):

@@ -6,15 +6,20 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .errors import Cancelled
 from .kv_cache import PREFILL_CHUNK, KVCache
 
 
-def forward_chunks(model, cache: KVCache, tokens: Sequence[int], last_only: bool) -> torch.Tensor:
+def forward_chunks(model, cache: KVCache, tokens: Sequence[int], last_only: bool,
+                   abort: Callable[[], bool] | None = None) -> torch.Tensor:
     """Run ``tokens`` after what ``cache`` holds, ``PREFILL_CHUNK`` at a time
     (the sliding-window rings are sized for that); logits of every position
-    ``[T, vocab]``, or of the last one ``[1, vocab]``."""
+    ``[T, vocab]``, or of the last one ``[1, vocab]``. ``abort`` is asked
+    before each chunk (``Cancelled``: the cache then holds whole chunks only)."""
     outputs = []
     for c0 in range(0, len(tokens), PREFILL_CHUNK):
+        if abort is not None and abort():
+            raise Cancelled(f"prefill was cancelled after {c0} of {len(tokens)} tokens")
         chunk = tokens[c0:c0 + PREFILL_CHUNK]
         start = cache.length
         ids = torch.tensor(chunk, dtype=torch.long, device=model.device)
@@ -25,9 +30,9 @@ def forward_chunks(model, cache: KVCache, tokens: Sequence[int], last_only: bool
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # a decode step: no 1 MB copy
 
 
-def prefill(model, cache: KVCache, tokens: Sequence[int]) -> torch.Tensor:
+def prefill(model, cache: KVCache, tokens: Sequence[int], abort: Callable[[], bool] | None = None) -> torch.Tensor:
     """Run ``tokens`` after what ``cache`` holds; return the last position's logits ``[vocab]``."""
-    return forward_chunks(model, cache, tokens, last_only=True)[-1]
+    return forward_chunks(model, cache, tokens, last_only=True, abort=abort)[-1]
 
 
 def decode_step(model, cache: KVCache, token: int) -> torch.Tensor:
@@ -42,6 +47,7 @@ def generate_tokens(
     max_tokens: int,
     end_of_generation: frozenset[int],
     on_prefilled: Callable[[], None] | None = None,
+    abort: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` tokens after ``prompt``, which ``cache`` must
     not yet hold (its first ``cache.length`` tokens may already be cached).
@@ -49,7 +55,7 @@ def generate_tokens(
     history = list(prompt)
     if max_tokens == 0:
         return
-    logits = prefill(model, cache, prompt[cache.length:])
+    logits = prefill(model, cache, prompt[cache.length:], abort)
     if on_prefilled is not None:
         on_prefilled()
     for i in range(max_tokens):

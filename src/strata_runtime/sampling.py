@@ -19,6 +19,10 @@ class SamplingParams:
     (a given seed reproduces the same tokens).
     """
 
+    MAX_STOP_STRINGS = 16  # OpenAI allows 4; agents send a few more. Each costs work on every token.
+    MAX_STOP_CHARS = 256
+    SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
     max_tokens: int = 256
     temperature: float = 0.8
     top_k: int = 40
@@ -47,6 +51,12 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.penalty_last_n >= 0, f"penalty_last_n must be at least 0, got {self.penalty_last_n}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (len(self.stop) <= self.MAX_STOP_STRINGS,
+             f"stop has {len(self.stop)} strings; at most {self.MAX_STOP_STRINGS} are allowed"),
+            (all(len(s) <= self.MAX_STOP_CHARS for s in self.stop),
+             f"each stop string may have at most {self.MAX_STOP_CHARS} characters"),
+            (self.seed is None or self.SEED_RANGE[0] <= self.seed <= self.SEED_RANGE[1],
+             f"seed must be a whole number in [-2**63, 2**64 - 1], got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

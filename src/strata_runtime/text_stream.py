@@ -16,6 +16,14 @@ class StopTextStream:
     def __init__(self, decoder: StreamDecoder, stop: tuple[str, ...]):
         self._decoder = decoder
         self._stop = stop
+        # For each stop string, by character c: the lengths n (longest first) of
+        # its prefixes that end in c. Held text can only end in such a prefix.
+        self._prefix_ends: list[dict[str, list[int]]] = []
+        for s in stop:
+            ends: dict[str, list[int]] = {}
+            for n in range(len(s) - 1, 0, -1):
+                ends.setdefault(s[n - 1], []).append(n)
+            self._prefix_ends.append(ends)
         self._held = ""
         self.emitted = ""
         self.stopped = False
@@ -45,10 +53,14 @@ class StopTextStream:
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
         """Length of the longest end of ``text`` that begins some stop string."""
+        if not text:
+            return 0
         best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
+        for s, ends in zip(self._stop, self._prefix_ends):
+            for n in ends.get(text[-1], ()):
+                if n <= best:
+                    break
+                if n <= len(text) and text.endswith(s[:n]):
                     best = n
                     break
         return best

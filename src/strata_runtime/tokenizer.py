@@ -166,6 +166,15 @@ class Tokenizer:
     def eos_id(self) -> int | None:
         return self.vocab.eos_id
 
+    def split_special(self, text: str) -> list[str | int]:
+        """``text`` split at every special token written in it (as ``encode(special=True)`` splits it)."""
+        return self._special.split(text)
+
+    @property
+    def special_chars(self) -> set[str]:
+        """Every character of every special token's text."""
+        return set().union(*self._special.order)
+
     def max_chars(self, tokens: int) -> int:
         """The most characters that ``tokens`` tokens can spell: longer text can never fit."""
         return tokens * self.max_token_chars

@@ -303,6 +303,7 @@ class Engine:
             "path": str(self.gguf.path),
             "architecture": c.architecture,
             "context_length": self.context_length,
+            "max_prompt_chars": self.max_prompt_chars(),
             "model_context_length": c.context_length,
             "vocab_size": self.tokenizer.vocab.size,
             "dtype": self.config.dtype,

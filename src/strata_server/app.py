@@ -3,14 +3,19 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both
 with ``stream: true`` as server-sent events ending in ``data: [DONE]``),
 ``GET /v1/models``, ``GET /props``, ``GET /health`` (open without the API
-key) and ``GET /metrics`` (Prometheus text).
+key, details only with it) and ``GET /metrics`` (Prometheus text).
+
+At the edge (``edge.py``): only the configured ``Host`` names are answered
+(a web page cannot rebind its own domain to this server), bodies must be
+``application/json`` (a cross-site form post cannot reach the engine), and
+each API key is its own cache scope (one client's prompts cannot be probed
+through another's cached prefix).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -24,7 +29,9 @@ from starlette.routing import Route
 
 from . import openai_api
 from .config import ServerConfig
-from .errors import ApiError
+from .edge import AllowedHosts, RequireApiKey, authenticated, cache_scope
+from .errors import ApiError, json_error
+from .json_body import read_json
 from .metrics import Metrics
 from .supervisor import Job, Supervisor
 
@@ -52,8 +59,9 @@ def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) ->
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan,
     )
-    app.add_middleware(_RequireApiKey, key=config.api_key)
-    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts 401s too
+    app.add_middleware(RequireApiKey, keys=config.api_keys)
+    app.add_middleware(AllowedHosts, hosts=config.host_names)
+    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts 401s and 421s too
     return app
 
 
@@ -74,9 +82,10 @@ class _Api:
         return await self._generate(request, openai_api.parse_completion)
 
     async def _generate(self, request: Request, parse: Callable) -> Response:
-        body = await _read_json(request, self.config.max_body_bytes)
-        props = self.supervisor.props or {}
-        command = parse(body, self._model_ids(), props.get("context_length"))
+        body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        command = parse(body, self._model_ids(), openai_api.PromptLimits.of(self.supervisor.props))
+        salt = command.pop("cache_salt")
+        command["cache_scope"] = cache_scope(request) + ("" if salt is None else "/" + salt)
         job = self.supervisor.submit(command)
         reply = openai_api.Reply(command["kind"], self.config.served_model_id)
         gone = asyncio.create_task(_client_gone(request))
@@ -186,11 +195,15 @@ class _Api:
             "restarts": s.restarts,
             "conversation_cache": s.stats,
             "server": {"max_queue": self.config.max_queue, "max_body_bytes": self.config.max_body_bytes,
-                       "api_key_required": self.config.api_key is not None},
+                       "max_connections": self.config.max_connections, "body_timeout_s": self.config.body_timeout_s,
+                       "api_key_required": bool(self.config.api_keys), "api_keys": len(self.config.api_keys)},
         })
 
     async def health(self, request: Request) -> Response:
+        """Open to all; the last exit's details (the engine's error text) only with the key."""
         status, body = self.supervisor.health()
+        if not authenticated(request):
+            body = {k: v for k, v in body.items() if k in ("status", "restarts")}
         return JSONResponse(body, status_code=status)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -200,32 +213,6 @@ class _Api:
 
 
 # --- request bodies and responses -----------------------------------------------------
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start}); "
-                            f"send JSON encoded as UTF-8") from None
-    if not text.strip():
-        raise ApiError(400, "the request body is empty; send a JSON object")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
-            from None
 
 
 async def _client_gone(request: Request) -> None:
@@ -259,12 +246,8 @@ class _EventStream:
             await self.source.aclose()
 
 
-def _json_error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return _json_error(exc)
+    return json_error(exc)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -274,31 +257,15 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return _json_error(ApiError(exc.status_code, message, code=None))
+    return json_error(ApiError(exc.status_code, message, code=None))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s", request.url.path)
-    return _json_error(ApiError(500, f"internal error ({type(exc).__name__}); see the server log", "server_error"))
+    return json_error(ApiError(500, f"internal error ({type(exc).__name__}); see the server log", "server_error"))
 
 
 # --- middleware (pure ASGI, so streaming passes straight through) -------------------
-
-
-class _RequireApiKey:
-    def __init__(self, app, key: str | None):
-        self.app = app
-        self.expected = None if key is None else f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        message = ("this server needs an API key: send 'Authorization: Bearer KEY'" if not given
-                   else "the API key is wrong; send the key the server was started with")
-        await _json_error(ApiError(401, message, "invalid_request_error", "invalid_api_key"))(scope, receive, send)
 
 
 class _CountRequests:
@@ -335,7 +302,13 @@ def run(config: ServerConfig) -> int:
 
     supervisor = Supervisor(config, metrics, on_failed=give_up)
     app = build_app(config, supervisor, metrics)
+    if not config.api_keys and not config.loopback_only:
+        log.warning("serving on %s without an API key: anyone who can reach this address can use the model and "
+                    "read /props; start with --api-key-file (or STRATA_API_KEY)", config.host)
+    # limit_concurrency: connections (and tasks) past it get a 503 at once, so
+    # slow or huge bodies cannot pile up without bound.
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5))
+                                           access_log=False, timeout_graceful_shutdown=5,
+                                           limit_concurrency=config.max_connections))
     server.run()
     return 3 if supervisor.state == "failed" else 0

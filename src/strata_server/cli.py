@@ -2,7 +2,8 @@
 
 The environment is read here and nowhere else: ``STRATA_MODEL`` (a default
 for ``--model``), ``STRATA_CACHE_DIR`` (where the default model is
-assembled) and ``STRATA_API_KEY`` (a default for ``serve --api-key``).
+assembled) and ``STRATA_API_KEY`` (keys for ``serve`` when no ``--api-key``
+or ``--api-key-file`` is given).
 """
 
 from __future__ import annotations
@@ -80,8 +81,19 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=_positive_int, default=8080)
-    g.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health (env STRATA_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer KEY' on every route but /health, for any key in PATH (one "
+                        "a line; # comments). Each key is its own cache scope. Prefer this or STRATA_API_KEY: "
+                        "--api-key is visible to every user of this machine in the process list")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY[,KEY...]",
+                   help="as --api-key-file, keys given here (repeatable; env STRATA_API_KEY, comma-separated)")
+    g.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="a Host name to answer besides localhost and the bound address (repeatable; '*': any). "
+                        "Default: those only, or any name when binding 0.0.0.0 or ::")
+    g.add_argument("--max-connections", type=_positive_int, default=64,
+                   help="open connections past this get 503 at once (default 64)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request body still arriving after this gets 408 (default 30)")
     g.add_argument("--max-queue", type=_whole, default=16,
                    help="requests that may wait behind the one being served; more get 503 (default 16)")
     g.add_argument("--max-body-mib", type=_positive_int, default=8, help="request body limit (default 8 MiB)")
@@ -247,7 +259,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     EngineConfig(**options)  # bad options fail here, not in a crash-looping engine
     model = check_gguf_path(args.model) if args.model else default_model_path(os.environ.get("STRATA_CACHE_DIR"))
     config = ServerConfig(
-        model=str(model), engine_options=options, host=args.host, port=args.port, api_key=args.api_key,
+        model=str(model), engine_options=options, host=args.host, port=args.port, api_keys=_api_keys(args),
+        allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
+        max_connections=args.max_connections, body_timeout_s=args.body_timeout,
         max_queue=args.max_queue, max_body_bytes=args.max_body_mib * MiB, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
         hang_timeout_s=args.hang_timeout, log_level="info" if args.verbose else "warning",
@@ -257,6 +271,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, max_restarts=1)
     logging.getLogger("strata_server").setLevel(logging.INFO)  # restarts and engine lines always show
     return run(config)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key-file and --api-key, else from STRATA_API_KEY; none: an open server."""
+    keys: list[str] = []
+    if args.api_key_file:
+        try:
+            lines = open(args.api_key_file, encoding="utf-8").read().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key (one a line)")
+        if os.stat(args.api_key_file).st_mode & 0o077:
+            logging.getLogger("strata_server").warning(
+                "%s can be read by other users; chmod 600 it", args.api_key_file)
+    given = args.api_key if args.api_key else ([] if keys else [os.environ.get("STRATA_API_KEY") or ""])
+    listed = [k.strip() for text in given for k in text.split(",") if k.strip()]
+    if args.api_key and not listed:
+        raise ValueError("--api-key was given but is empty (an unset variable?); the server would be open to all")
+    return tuple(dict.fromkeys(keys + listed))
 
 
 def cmd_info(args: argparse.Namespace) -> int:

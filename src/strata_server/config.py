@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
 @dataclass(frozen=True)
@@ -18,9 +22,14 @@ class ServerConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer KEY"
+    api_keys: tuple[str, ...] = ()  # when set, every route but /health needs "Authorization: Bearer KEY" for one
+    # Host names answered (besides loopback and the bound address); None: the
+    # default, which answers any name on a wildcard bind and only those otherwise.
+    allowed_hosts: tuple[str, ...] | None = None
     max_queue: int = 16  # requests waiting behind the one being served; more get 503
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    body_timeout_s: float = 30.0  # a body still arriving after this gets 408
+    max_connections: int = 64  # open connections past this get 503 at once (uvicorn's limit_concurrency)
     max_restarts: int = 5  # engine crashes within restart_window_s that make the server exit
     restart_window_s: float = 600.0
     restart_backoff_s: float = 1.0  # first restart delay; doubles per crash in the window
@@ -40,11 +49,33 @@ class ServerConfig:
             (self.ping_interval_s > 0, f"the ping interval must be positive, got {self.ping_interval_s}"),
             (self.hang_timeout_s > self.ping_interval_s,
              f"the hang timeout ({self.hang_timeout_s} s) must exceed the ping interval ({self.ping_interval_s} s)"),
-            (self.api_key is None or len(self.api_key) > 0, "the API key must not be empty"),
+            (all(self.api_keys), "an API key must not be empty"),
+            (all(k.isprintable() and " " not in k for k in self.api_keys),
+             "an API key must be printable characters without spaces"),
+            (self.body_timeout_s > 0, f"the body timeout must be positive, got {self.body_timeout_s}"),
+            (self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether only this machine can connect (the bound address is a loopback one)."""
+        if self.host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def host_names(self) -> frozenset[str] | None:
+        """The ``Host`` names answered, or None for any (a wildcard bind with no list given)."""
+        given = frozenset(h.lower() for h in self.allowed_hosts or ())
+        if "*" in given or (self.allowed_hosts is None and self.host in WILDCARDS):
+            return None
+        return LOOPBACK_NAMES | given | ({self.host.lower()} - WILDCARDS)
 
     @property
     def served_model_id(self) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 
 class ApiError(Exception):
     """An error answered to the client. ``message`` names the fix."""
@@ -24,3 +26,7 @@ class ApiError(Exception):
 def unavailable(message: str, code: str, retry_after_s: int = 1) -> ApiError:
     """A 503 that tells the client when to come back."""
     return ApiError(503, message, "server_error", code, {"Retry-After": str(retry_after_s)})
+
+
+def json_error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

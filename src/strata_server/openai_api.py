@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ApiError
@@ -20,7 +21,7 @@ _FLOATS = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
            "repetition_penalty": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
 _INTS = {"top_k": "top_k", "seed": "seed"}
-_COMMON = {"model", "max_tokens", "stream", "stream_options", "stop", "n", "user", *_FLOATS, *_INTS}
+_COMMON = {"model", "max_tokens", "stream", "stream_options", "stop", "n", "user", "cache_salt", *_FLOATS, *_INTS}
 # Harmless when present: they change nothing about what is generated.
 _IGNORED = {"user", "metadata", "store"}
 # Known OpenAI fields this server does not implement; "off" values are accepted.
@@ -34,9 +35,35 @@ _UNSUPPORTED = {
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant"}
+MAX_CACHE_SALT_CHARS = 256
 
 
-def parse_chat(body: Any, models: set[str], context_length: int | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PromptLimits:
+    """What the loaded engine can take (None: not known yet): prompts that
+    cannot fit are refused here, before they reach the engine."""
+
+    context_length: int | None = None
+    max_prompt_chars: int | None = None  # no text longer than this fits (context x longest token)
+
+    @classmethod
+    def of(cls, props: dict[str, Any] | None) -> "PromptLimits":
+        props = props or {}
+        return cls(props.get("context_length"), props.get("max_prompt_chars"))
+
+    def check_chars(self, characters: int) -> None:
+        if self.max_prompt_chars is not None and characters > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {characters} characters, more than the {self.context_length} "
+                                f"tokens of the context can hold (at most {self.max_prompt_chars} characters); "
+                                f"shorten the prompt", code="context_length_exceeded")
+
+    def check_tokens(self, tokens: int) -> None:
+        if self.context_length is not None and tokens >= self.context_length:
+            raise ApiError(400, f"the prompt has {tokens} tokens but the context holds {self.context_length}; "
+                                f"shorten the prompt", code="context_length_exceeded")
+
+
+def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, Any]:
     """A ``/v1/chat/completions`` body -> an engine command (``kind="chat"``)."""
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
@@ -47,11 +74,13 @@ def parse_chat(body: Any, models: set[str], context_length: int | None) -> dict[
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return {"kind": "chat", "messages": [_message(m, i) for i, m in enumerate(messages)],
-            **_common(body, models, context_length)}
+    parsed = [_message(m, i) for i, m in enumerate(messages)]
+    # The template adds text; it never makes the contents shorter than they are.
+    limits.check_chars(sum(len(m["content"]) for m in parsed))
+    return {"kind": "chat", "messages": parsed, **_common(body, models, limits)}
 
 
-def parse_completion(body: Any, models: set[str], context_length: int | None) -> dict[str, Any]:
+def parse_completion(body: Any, models: set[str], limits: PromptLimits) -> dict[str, Any]:
     """A ``/v1/completions`` body -> an engine command (``kind="completion"``)."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
@@ -61,13 +90,15 @@ def parse_completion(body: Any, models: set[str], context_length: int | None) ->
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        pass
+        limits.check_tokens(len(prompt))
     elif isinstance(prompt, list):
         raise ApiError(400, "'prompt' must be one string or one list of token ids; "
                             "batches of prompts are not supported, send one request per prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' must be a non-empty string")
-    return {"kind": "completion", "prompt": prompt, **_common(body, models, context_length)}
+    else:
+        limits.check_chars(len(prompt))
+    return {"kind": "completion", "prompt": prompt, **_common(body, models, limits)}
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -91,11 +122,13 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(m, dict):
         raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'")
     role = m.get("role")
+    if not isinstance(role, str):
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {_show(role)}")
     if role == "tool" or "tool_calls" in m:
         raise ApiError(400, f"messages[{i}]: tool messages and tool calls are not supported by this server",
                        code="unsupported_parameter")
     if role not in ROLES:
-        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {role!r}")
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {_show(role)}")
     content = m.get("content")
     if isinstance(content, list):
         parts = []
@@ -110,39 +143,48 @@ def _message(m: Any, i: int) -> dict[str, str]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def _common(body: dict[str, Any], models: set[str], context_length: int | None) -> dict[str, Any]:
+def _common(body: dict[str, Any], models: set[str], limits: PromptLimits) -> dict[str, Any]:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, one of: {', '.join(sorted(models))}; got {_show(model)}")
     if model is not None and model not in models:
-        raise ApiError(404, f"model {model!r} is not served here; use one of: {', '.join(sorted(models))} "
+        raise ApiError(404, f"model {_show(model)} is not served here; use one of: {', '.join(sorted(models))} "
                             f"(GET /v1/models lists them)", code="model_not_found")
     n = body.get("n", 1)
     if n != 1 or isinstance(n, bool):
-        raise ApiError(400, f"'n' must be 1 (this server returns one choice per request), got {n!r}",
+        raise ApiError(400, f"'n' must be 1 (this server returns one choice per request), got {_show(n)}",
                        code="unsupported_parameter")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be true or false, got {stream!r}")
+        raise ApiError(400, f"'stream' must be true or false, got {_show(stream)}")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ApiError(400, f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
+                            f"got {_show(salt)}")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}")
     sampling: dict[str, Any] = {}
-    max_tokens = body.get("max_tokens", 256)
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be a whole number of at least 1, got {max_tokens!r}")
-    if context_length is not None and max_tokens > context_length:
-        raise ApiError(400, f"'max_tokens' is {max_tokens} but the context holds {context_length} tokens; "
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise ApiError(400, f"'max_tokens' must be a whole number of at least 1, got {_show(max_tokens)}")
+    context_length = limits.context_length
+    if max_tokens is None:  # the default: as many as the context leaves room for, up to 256
+        max_tokens = 256
+    elif context_length is not None and max_tokens > context_length:
+        raise ApiError(400, f"'max_tokens' is {_show(max_tokens)} but the context holds {context_length} tokens; "
                             f"ask for at most {context_length}")
     sampling["max_tokens"] = max_tokens
     for name, engine_name in _FLOATS.items():
         if name in body and body[name] is not None:
-            value = body[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ApiError(400, f"'{name}' must be a number, got {value!r}")
-            sampling[engine_name] = float(value)
+            value = _finite_float(body[name])
+            if value is None:
+                raise ApiError(400, f"'{name}' must be a finite number, got {_show(body[name])}")
+            sampling[engine_name] = value
     for name, engine_name in _INTS.items():
         if name in body and body[name] is not None:
             if not _is_int(body[name]):
-                raise ApiError(400, f"'{name}' must be a whole number, got {body[name]!r}")
+                raise ApiError(400, f"'{name}' must be a whole number, got {_show(body[name])}")
             sampling[engine_name] = body[name]
     stop = body.get("stop")
     if stop is not None:
@@ -151,7 +193,7 @@ def _common(body: dict[str, Any], models: set[str], context_length: int | None) 
             raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings")
         sampling["stop"] = stops
     _check_sampling(sampling)
-    return {"sampling": sampling, "stream": stream,
+    return {"sampling": sampling, "stream": stream, "cache_salt": salt,
             "include_usage": bool(options and options.get("include_usage"))}
 
 
@@ -166,6 +208,24 @@ def _check_sampling(sampling: dict[str, Any]) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_float(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, NaN, infinite, or an
+    integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value as an error message quotes it: short, whatever the client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 # --- replies ---------------------------------------------------------------------

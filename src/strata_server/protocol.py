@@ -1,8 +1,9 @@
 """Messages between the supervisor and the engine process: one JSON object a line.
 
 Supervisor to engine (the engine's stdin):
-    {"op": "generate", "id": N, "kind": "chat", "messages": [...], "sampling": {...}}
-    {"op": "generate", "id": N, "kind": "completion", "prompt": "..." | [ids], "sampling": {...}}
+    {"op": "generate", "id": N, "kind": "chat", "messages": [...], "sampling": {...}, "cache_scope": "..."}
+    {"op": "generate", "id": N, "kind": "completion", "prompt": "..." | [ids], "sampling": {...},
+     "cache_scope": "..."}     (cache_scope: requests share cached prefixes only within one scope)
     {"op": "cancel", "id": N}          stop request N at its next token
     {"op": "ping", "seq": N}           answered with "pong" even while generating
     {"op": "shutdown"}

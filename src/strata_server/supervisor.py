@@ -7,6 +7,11 @@ last error, fails the requests it held with a 503 at once, and starts a new
 child straight away (after a backoff of 1 s, 2 s, 4 s, ... capped), not on
 the next request. Too many crashes within the window and it gives up, so the
 server exits non-zero and a service manager sees the failure.
+
+Its own tasks are watched too: a task that dies (a bug, not the child)
+restarts the child through the same path, so no request waits forever on a
+dispatcher that is gone; if the supervising task itself dies, the server
+exits loudly instead of answering 503s for ever.
 """
 
 from __future__ import annotations
@@ -122,6 +127,18 @@ class Supervisor:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name="supervisor")
+        self._task.add_done_callback(self._supervisor_ended)
+
+    def _supervisor_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.critical("the supervisor task died (%s: %s); the server exits so its service manager restarts it",
+                     type(error).__name__, error, exc_info=error)
+        self.state = "failed"
+        self._fail_jobs(unavailable("the server is shutting down after an internal error; retry shortly",
+                                    "server_failed"))
+        self.on_failed()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -183,10 +200,11 @@ class Supervisor:
         )
         self._last_heard = time.monotonic()
         log.info("engine process %d started", proc.pid)
-        readers = [asyncio.create_task(self._read_events(proc.stdout)),
-                   asyncio.create_task(self._read_log(proc.stderr, proc.pid))]
-        helpers = [asyncio.create_task(self._ping(proc)), asyncio.create_task(self._dispatch())]
-        code = await proc.wait()
+        readers = [asyncio.create_task(self._read_events(proc.stdout), name="engine events"),
+                   asyncio.create_task(self._read_log(proc.stderr, proc.pid), name="engine log")]
+        helpers = [asyncio.create_task(self._ping(proc), name="ping"),
+                   asyncio.create_task(self._dispatch(), name="dispatcher")]
+        code = await self._wait_watching(proc, readers + helpers)
         self.state = "restarting" if self.state == "ready" else self.state
         self.engine_pid = None
         self.metrics.engine_up.set(0)
@@ -195,25 +213,58 @@ class Supervisor:
             task.cancel()
         return code
 
+    async def _wait_watching(self, proc: asyncio.subprocess.Process, tasks: list[asyncio.Task]) -> int:
+        """The child's exit code. A task of ours that fails before then kills
+        the child, so its jobs are failed and everything starts afresh."""
+        exited = asyncio.ensure_future(proc.wait())
+        watched = set(tasks)
+        while True:
+            done, _ = await asyncio.wait({exited, *watched}, return_when=asyncio.FIRST_COMPLETED)
+            if exited in done:
+                return exited.result()
+            for task in done:
+                watched.discard(task)
+                error = None if task.cancelled() else task.exception()
+                if error is None and task.get_name() in ("engine events", "engine log"):
+                    continue  # the pipe closed: the child is exiting
+                log.error("the server's %r task ended (%s); restarting engine process %d so no request waits on it",
+                          task.get_name(), "no error" if error is None else f"{type(error).__name__}: {error}",
+                          proc.pid, exc_info=error)
+                self._last_error = f"the server's {task.get_name()} task failed"
+                if proc.returncode is None:
+                    proc.kill()
+
     # --- talking to the child ----------------------------------------------------
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any]) -> bool:
+        """Write one message to the child; False when it could not be written."""
         proc = self._proc
         if proc is None or proc.returncode is not None or proc.stdin is None:
-            return
+            return False
+        data = encode(message)
         try:
-            proc.stdin.write(encode(message))
+            proc.stdin.write(data)
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
-            pass  # it is exiting; the exit path fails its jobs
+            return False  # it is exiting; the exit path fails its jobs
+        return True
 
     async def _dispatch(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.state == "ready" and self._in_flight is None and self._waiting:
-                job = self._in_flight = self._waiting.popleft()
+            while self.state == "ready" and self._in_flight is None and self._waiting:
+                job = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
-                self._send(job.command)
+                self._in_flight = job
+                try:
+                    self._send(job.command)
+                except Exception as e:  # this job cannot be sent: fail it, serve the next
+                    log.exception("request %d could not be sent to the engine", job.id)
+                    self._in_flight = None
+                    job.finished = True
+                    job.events.put_nowait(("error", ApiError(
+                        500, f"internal error: the request could not be sent to the engine ({type(e).__name__})",
+                        "server_error")))
 
     async def _ping(self, proc: asyncio.subprocess.Process) -> None:
         seq = 0

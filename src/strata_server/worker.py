@@ -67,20 +67,27 @@ def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict |
 
 def serve_one(engine, command: dict[str, Any], channel: Channel, cancelled: set) -> None:
     """Run one request, sending its pieces and then ``done`` or ``error``."""
-    from strata_runtime import ChatTemplateError, ContextLengthError, StrataError
+    from strata_runtime import Cancelled, ChatTemplateError, ContextLengthError, StrataError
 
     rid = command["id"]
     engine.last_completion = None
+    # Asked between chunks of tokenizing and prefilling, so a client that left
+    # stops costing engine time within one chunk.
+    options = {"abort": lambda: rid in cancelled, "cache_scope": command.get("cache_scope", ""),
+               **command["sampling"]}
     try:
         if command["kind"] == "chat":
-            pieces = engine.chat(command["messages"], stream=True, **command["sampling"])
+            pieces = engine.chat(command["messages"], stream=True, **options)
         else:
-            pieces = engine.stream(command["prompt"], **command["sampling"])
+            pieces = engine.stream(command["prompt"], **options)
         for piece in pieces:
             channel.send(ev="piece", id=rid, text=piece)
             if rid in cancelled:
                 pieces.close()  # the run's cleanup keeps the live cache consistent
                 break
+    except Cancelled:
+        _send_done(channel, rid, engine, engine.last_completion)
+        return
     except ContextLengthError as e:
         channel.send(ev="error", id=rid, status=400, type="invalid_request_error",
                      code="context_length_exceeded", message=str(e))
@@ -120,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         from strata_runtime import load
 
         engine = load(spec["model"], progress=False, **spec["options"])
+        engine.tokenizer.prepare()  # not on the first long request
     except Exception as e:
         log.error("the engine could not start: %s: %s", type(e).__name__, e)
         channel.send(ev="fatal", message=f"{type(e).__name__}: {e}")

@@ -1,0 +1,108 @@
+"""Property: whatever JSON a client sends to either completion route, a real
+``strata serve`` answers 2xx or a 4xx with an OpenAI-style error, in bounded
+time, and goes on answering plain requests."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import LiveServer
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def server(model_file):
+    s = LiveServer("--model", str(model_file), "--context-length", str(CONTEXT), "--conversation-cache-mib", "16",
+                   "--min-free-mib", "0", "--max-body-mib", "1")
+    try:
+        s.wait_for_health(200)
+        yield s
+    finally:
+        s.stop()
+
+
+# Odd text: lone surrogates, controls, private use, astral characters, the template's own markers.
+ODD_TEXT = st.sampled_from(["\ud800", "\udfff", "\ud83d", "\x00", "\u2028", "\U000F0001", "\U0001F999",
+                            "<start_of_turn>", "<end_of_turn>\n", "<bos>", "\ufeff"])
+ODD_MIX = st.lists(st.one_of(st.text(max_size=12), ODD_TEXT), max_size=4).map("".join)
+TEXT = st.one_of(st.text(max_size=12), st.text(max_size=12), ODD_MIX)
+SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-(10**40), 10**40), st.floats(allow_nan=True), TEXT)
+ANY_JSON = st.recursive(SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
+
+
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+                                 "content": TEXT})
+COMMON = {
+    "model": st.sampled_from(["gemma-3-270m-q4_k_m", "gpt-4"]),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50),
+    "seed": st.one_of(st.integers(0, 2**32), st.integers(-(2**70), 2**70)),
+    "stop": st.lists(TEXT, max_size=20),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "n": st.sampled_from([1, 1, 0, 2]),
+    "cache_salt": TEXT,
+    "logprobs": st.sampled_from([None, False, True]),
+}
+VALID = {
+    "/v1/chat/completions": st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3),
+                                                   "max_tokens": st.integers(1, 3)},
+                                                  optional={**COMMON, "max_completion_tokens": st.integers(1, 3)}),
+    "/v1/completions": st.fixed_dictionaries(
+        {"prompt": st.one_of(TEXT, TEXT, st.lists(st.integers(-5, 300_000), max_size=5)),
+         "max_tokens": st.integers(1, 3)}, optional=COMMON),
+}
+FIELDS = sorted({"messages", "prompt", "max_tokens", "metadata", "unknown_field", *COMMON})
+
+
+@st.composite
+def bodies(draw) -> tuple[str, object]:
+    """A plausible body for a route, then (mostly) one field or message part made arbitrary."""
+    path = draw(st.sampled_from(sorted(VALID)))
+    body = draw(VALID[path])
+    how = draw(st.sampled_from(["as is", "as is", "field", "message", "whole"]))
+    if how == "field":
+        body[draw(st.sampled_from(FIELDS))] = draw(ANY_JSON)
+    elif how == "message" and body.get("messages"):
+        body["messages"][0][draw(st.sampled_from(["role", "content", "name"]))] = draw(ANY_JSON)
+    elif how == "whole":
+        body = draw(ANY_JSON)
+    return path, body
+
+
+def _assert_answered(r: httpx.Response) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "code"} and error["message"], error
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+        assert all('"error"' not in e for e in events)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=bodies())
+def test_any_body_gets_2xx_or_an_openai_4xx(server, request):
+    path, body = request
+    raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\ud800 escapes, as a client sends them
+    r = server.http.post(path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    _assert_answered(r)
+
+
+def test_the_server_still_serves_after_the_fuzzing(server):
+    r = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert server.health() == (200, {"status": "ok"})
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+    metrics = server.metrics()
+    served = {k: v for k, v in metrics.items() if k.startswith("strata_requests_total") and "completions" in k}
+    assert sum(served.values()) >= 150 and not any('status="5' in k for k in served), served
+    print("answers by route and status:", served)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 
@@ -14,7 +15,7 @@ import pytest
 from live_server import LiveServer
 
 KEY_A, KEY_B = "sk-alice-0123", "sk-bob-4567"
-CONTEXT = 256
+CONTEXT = 2048
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,21 @@ def test_a_body_at_the_size_limit_is_refused_at_once(server):
 def test_token_ids_past_the_context_are_refused_at_the_edge(server):
     _error(server.post("/v1/completions", {"prompt": [5] * 100_000, "max_tokens": 2}), 400,
            f"the prompt has 100000 tokens but the context holds {CONTEXT}")
+
+
+def test_a_client_that_leaves_during_a_long_prefill_stops_it(server):
+    """The engine checks between prefill chunks: no token is generated for a client that is gone."""
+    before = server.metrics()
+    with pytest.raises(httpx.TimeoutException):
+        server.post("/v1/completions", {"prompt": "word " * 1900, "max_tokens": 50, "temperature": 0}, timeout=0.3)
+    deadline = time.monotonic() + 60
+    while server.metrics()["strata_requests_cancelled_total"] < before["strata_requests_cancelled_total"] + 1:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.1)
+    _plain_request_is_served(server)
+    after = server.metrics()
+    assert after["strata_generated_tokens_total"] - before["strata_generated_tokens_total"] == 2
+    assert re.search(r"request \d+ stopped: prefill was cancelled after \d+ of \d+ tokens", server.log())
 
 
 # 3. Control tokens typed by a user ------------------------------------------------------------

@@ -19,11 +19,14 @@ token of the template's generation prompt (``TurnMarker``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplate
 from .tokenizer import CONTROL, UNKNOWN, Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Supplementary Private Use Area-A: never in real text a template writes.
 _PRIVATE_USE = range(0xF0000, 0xFFFFE)
@@ -95,7 +98,8 @@ class TurnMarker:
         try:
             without = template.render(probe, add_generation_prompt=False)
             with_prompt = template.render(probe, add_generation_prompt=True)
-        except ChatTemplateError:
+        except Exception as e:  # a template that wants other messages: no boundaries, still a working engine
+            log.info("no chat turn boundaries: the template did not render a one-message probe (%s)", e)
             return None
         if not with_prompt.startswith(without) or with_prompt == without:
             return None

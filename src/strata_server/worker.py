@@ -85,7 +85,8 @@ def serve_one(engine, command: dict[str, Any], channel: Channel, cancelled: set)
             if rid in cancelled:
                 pieces.close()  # the run's cleanup keeps the live cache consistent
                 break
-    except Cancelled:
+    except Cancelled as e:
+        log.info("request %s stopped: %s", rid, e)
         _send_done(channel, rid, engine, engine.last_completion)
         return
     except ContextLengthError as e:

@@ -56,6 +56,8 @@ def test_sigkill_while_idle_then_a_hang(model_file):
         server.wait_for_health(200)
         assert server.metrics()["strata_engine_restarts_total"] == 2
         assert "has not answered for" in server.log()
+        assert "engine exited after it stopped answering" in server.log()
+        assert "task ended" not in server.log()  # killing a hung child is no failure of the ping task
         assert not _alive(stopped)
     finally:
         server.stop()

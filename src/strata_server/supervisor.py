@@ -225,8 +225,8 @@ class Supervisor:
             for task in done:
                 watched.discard(task)
                 error = None if task.cancelled() else task.exception()
-                if error is None and task.get_name() in ("engine events", "engine log"):
-                    continue  # the pipe closed: the child is exiting
+                if not task.cancelled() and error is None and task.get_name() != "dispatcher":
+                    continue  # a pipe closed, or ping killed a hung child: the child is exiting
                 log.error("the server's %r task ended (%s); restarting engine process %d so no request waits on it",
                           task.get_name(), "no error" if error is None else f"{type(error).__name__}: {error}",
                           proc.pid, exc_info=error)
@@ -236,17 +236,16 @@ class Supervisor:
 
     # --- talking to the child ----------------------------------------------------
 
-    def _send(self, message: dict[str, Any]) -> bool:
-        """Write one message to the child; False when it could not be written."""
+    def _send(self, message: dict[str, Any]) -> None:
+        """Write one message to the child. A message that cannot be encoded raises."""
         proc = self._proc
         if proc is None or proc.returncode is not None or proc.stdin is None:
-            return False
+            return
         data = encode(message)
         try:
             proc.stdin.write(data)
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
-            return False  # it is exiting; the exit path fails its jobs
-        return True
+            pass  # it is exiting; the exit path fails its jobs
 
     async def _dispatch(self) -> None:
         while True:

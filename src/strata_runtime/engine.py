@@ -403,8 +403,8 @@ class Engine:
                                   scope: str, abort: Callable[[], bool] | None) -> None:
         """Prefill up to each checkpoint position and save the running state there."""
         cc = self.conversations
-        if cc is None:
-            return
+        if cc is None or all(w is None for w in self._cache.windows):
+            return  # no running state: any prefix of a parked sequence can be restored
         for p in cc.checkpoint_positions(self._cache.length, len(prompt) - 1, boundaries):
             forward_chunks(self.model, self._cache, prompt[self._cache.length:p], last_only=True, abort=abort)
             cc.save_checkpoint(self._cache, prompt[:p], root=p == root, scope=scope)

@@ -169,3 +169,26 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if cpu_fast_path(gate.device, gate.dtype):
         return cpu_kernels.gelu_tanh_mul(gate, up)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the SiLU-gated MLP's middle (Llama, Qwen)."""
+    return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """``down(act_mul(gate(x), up(x)))`` over layer ``layer``'s ``ffn_gate``,
+    ``ffn_up`` and ``ffn_down``; ``act_mul`` is the fused ``act(gate) * up``
+    (``gelu_tanh_mul`` for Gemma, ``silu_mul`` for Llama and Qwen)."""
+
+    def __init__(self, layer: int, w, dtype: torch.dtype, act_mul):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.gate = Linear(w(p + "ffn_gate.weight"), dtype)
+        self.up = Linear(w(p + "ffn_up.weight"), dtype)
+        self.down = Linear(w(p + "ffn_down.weight"), dtype)
+        self.act_mul = act_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linears(x, self.gate, self.up)
+        return self.down(self.act_mul(gate, up))

@@ -43,12 +43,14 @@ _QWEN2_SPLIT = (
     r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# Each a sequence of patterns, applied in turn to the pieces the previous made.
 BPE_PRE_TOKENIZERS = {
-    "default": _GPT2_SPLIT,
-    "gpt-2": _GPT2_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
+    "default": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "llama3": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one first
 }
 
 # Turn-ending tokens that end generation besides EOS, as llama.cpp recognises them.
@@ -263,8 +265,8 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import models, pre_tokenizers
 
-        pattern = BPE_PRE_TOKENIZERS.get(self.vocab.pre)
-        if pattern is None:
+        patterns = BPE_PRE_TOKENIZERS.get(self.vocab.pre)
+        if patterns is None:
             raise ModelFileError(
                 f"BPE pre-tokenizer {self.vocab.pre!r} is not supported; supported: "
                 f"{', '.join(sorted(BPE_PRE_TOKENIZERS))}"
@@ -275,7 +277,7 @@ class Tokenizer:
         model = models.BPE(vocab=dict(self.ids), merges=merges, ignore_merges=self.vocab.pre in ("llama-bpe", "llama3"))
         bpe = HFTokenizer(model)
         bpe.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in patterns),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         return bpe

@@ -16,48 +16,31 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import Linear, RMSNorm, RopeCache, TiedEmbedding, gelu_tanh_mul, linears, rope_inverse_frequencies
+from ..layers import (GatedMLP, Linear, RMSNorm, RopeCache, TiedEmbedding, gelu_tanh_mul, linears,
+                      rope_inverse_frequencies)
+from .decoder import DecoderArgs, DecoderModel
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    rms_eps: float
-    rope_base: float  # global layers
-    rope_base_local: float  # sliding-window layers
+class ModelArgs(DecoderArgs):
+    rope_base_local: float  # sliding-window layers (rope_base: global layers)
     rope_linear_scale: float  # global layers only
     sliding_window: int
     sliding_window_pattern: int  # every n-th layer is global
-    attention_scale: float
 
     @classmethod
     def from_config(cls, config: ModelConfig, vocab_size: int) -> "ModelArgs":
         scaling = config.arch_key("rope.scaling.type")
         factor = float(config.arch_key("rope.scaling.factor", 1.0) or 1.0)
-        head_dim = config.key_length
+        # query_pre_attn_scalar is head_dim for the sizes llama.cpp knows, except 27B
+        # (the common attention_scale, 1/sqrt(head_dim)).
         return cls(
-            vocab_size=vocab_size,
-            hidden_size=config.embedding_length,
-            n_layers=config.block_count,
-            n_heads=config.head_count,
-            n_kv_heads=config.head_count_kv,
-            head_dim=head_dim,
-            ffn_dim=config.feed_forward_length,
-            rms_eps=config.rms_norm_eps,
-            rope_base=config.rope_freq_base,
+            **DecoderArgs.common(config, vocab_size),
             # Gemma 3 files store only the global base; the local one is fixed by the architecture.
             rope_base_local=float(config.arch_key("rope.freq_base_swa", 10000.0)),
             rope_linear_scale=factor if scaling == "linear" else 1.0,
             sliding_window=int(config.sliding_window or config.context_length),
             sliding_window_pattern=int(config.arch_key("attention.sliding_window_pattern", 6)),
-            # query_pre_attn_scalar is head_dim for the sizes llama.cpp knows, except 27B.
-            attention_scale=1.0 / math.sqrt(head_dim),
         )
 
     def is_sliding(self, layer: int) -> bool:
@@ -101,19 +84,6 @@ class Attention(nn.Module):
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, layer: int, w, dtype: torch.dtype):
-        super().__init__()
-        p = f"blk.{layer}."
-        self.gate = Linear(w(p + "ffn_gate.weight"), dtype)
-        self.up = Linear(w(p + "ffn_up.weight"), dtype)
-        self.down = Linear(w(p + "ffn_down.weight"), dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, self.gate, self.up)
-        return self.down(gelu_tanh_mul(gate, up))
-
-
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache):
         super().__init__()
@@ -122,7 +92,7 @@ class Block(nn.Module):
         self.attn = Attention(args, layer, w, dtype, rope)
         self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps, dtype)
         self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, dtype)
-        self.mlp = MLP(layer, w, dtype)
+        self.mlp = GatedMLP(layer, w, dtype, gelu_tanh_mul)
         self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -130,11 +100,7 @@ class Block(nn.Module):
         return self.post_ffn_norm(self.mlp(self.ffn_norm(x)), residual=x)
 
 
-class Model(nn.Module):
-    """``forward(tokens, positions, cache)``: tokens ``[T]`` at consecutive
-    ``positions`` starting at ``cache.length``; returns logits ``[T, vocab]``
-    (or ``[1, vocab]`` for the last position when ``last_only``)."""
-
+class Model(DecoderModel):
     def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
@@ -146,27 +112,6 @@ class Model(nn.Module):
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        x = self.embedding(tokens) * self.embed_scale
-        for block in self.layers:
-            x = block(x, positions, cache)
-        cache.advance(tokens.shape[0])
-        if last_only:
-            x = x[-1:]
-        return self.embedding.logits(self.norm(x))
-
     @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    def attention_windows(self) -> list[int | None]:
-        """Per layer: the sliding window, or None for full attention."""
-        return [block.attn.window for block in self.layers]
-
-    def new_cache(self, max_tokens: int, kv: str = "f16") -> KVCache:
-        a = self.args
-        # On the CPU fast path keys and values are bfloat16 values already, so
-        # f16-format storage in bfloat16 is lossless and half of float32's bytes.
-        fast = self.layers[0].attn.attention_backend == "cpu"
-        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, self.device,
-                       float_dtype=torch.bfloat16 if fast else None)
+    def head(self) -> TiedEmbedding:
+        return self.embedding  # tied: the layer-split pipelines replace ``embedding``, and the head with it

@@ -1,0 +1,50 @@
+"""SmolLM2 135M Instruct (architecture ``llama``): chat, the fast path, the
+conversation cache. Its agreement with the references is in
+``test_reference_parity.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import strata_runtime
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_chat_answers_and_stops_at_its_end_of_turn(smollm2):
+    reply = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=40,
+                         temperature=0)
+    assert "Paris" in reply.text and reply.finish_reason == "stop"
+    assert smollm2.tokenizer.ids["<|im_end|>"] in smollm2.tokenizer.end_of_generation
+
+
+def test_fast_path_agrees_with_the_exact_path(smollm2, smollm2_file):
+    fast = strata_runtime.load(smollm2_file, dtype="bfloat16", progress=False, context_length=2048,
+                               conversation_cache_mib=0)
+    reference = json.loads((DATA / "smollm2-135m-instruct-q4_1.float32.json").read_text())
+    agree = total = 0
+    for case in reference["teacher_forced"]:
+        a = smollm2.logits(case["tokens"])
+        b = fast.logits(case["tokens"])
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    print(f"SmolLM2 bfloat16 against float32: top-1 agreement {agree}/{total} = {agree / total:.2%}")
+    assert agree / total >= 0.95
+
+
+def test_alternating_conversations_equal_cold_runs(smollm2_file):
+    warm = strata_runtime.load(smollm2_file, progress=False, context_length=1024, conversation_cache_mib=64,
+                               min_free_mib=0)
+    cold = strata_runtime.load(smollm2_file, progress=False, context_length=1024, conversation_cache_mib=0)
+    a = [{"role": "user", "content": "Tell me about the river Danube."}]
+    b = [{"role": "user", "content": "Explain what a prime number is."}]
+    order = [a, b, a + [{"role": "assistant", "content": "It is a long river."},
+                        {"role": "user", "content": "Which countries does it cross?"}],
+             b + [{"role": "assistant", "content": "A number with two divisors."},
+                  {"role": "user", "content": "Is 91 prime?"}]]
+    got = [warm.chat(m, max_tokens=6, temperature=0) for m in order]
+    want = [cold.generate(warm.chat_prompt(m), max_tokens=6, temperature=0).tokens for m in order]
+    assert [g.tokens for g in got] == want
+    assert warm.stats()["restored"] >= 1 and got[2].cached_tokens > 10
+    assert warm.stats().get("checkpoint_skipped", 0) == 0  # no running state: nothing to checkpoint

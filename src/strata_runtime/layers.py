@@ -31,15 +31,17 @@ def keeps_blocks(weight: QuantTensor, dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T`` for a GGUF weight of logical shape ``[out, in]``.
+    """``y = x @ W.T (+ b)`` for a GGUF weight of logical shape ``[out, in]``.
 
     Invariant: exactly one of ``qweight`` (the GGUF blocks, read by
     ``qmatmul`` on ``backend`` without a dense copy) and ``weight`` (the
-    dequantization in ``dtype``, exact for float32) is set.
+    dequantization in ``dtype``, exact for float32) is set; ``bias`` is
+    None or ``[out]`` in ``dtype``.
     """
 
-    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: QuantTensor | None = None):
         super().__init__()
+        self.bias = None if bias is None else nn.Parameter(dequantize(bias, dtype).reshape(-1), requires_grad=False)
         self.qweight: QuantTensor | None = None
         self.weight = None
         if keeps_blocks(weight, dtype):
@@ -54,9 +56,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
-        return self._matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows)
+        return self.add_bias(self._matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows))
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def linears(x: torch.Tensor, *layers: Linear) -> list[torch.Tensor]:
@@ -67,7 +72,7 @@ def linears(x: torch.Tensor, *layers: Linear) -> list[torch.Tensor]:
     rows = x.numel() // x.shape[-1]
     if rows <= CPU_GEMV_MAX_M and all(layer.cpu_blocks for layer in layers):
         outs = cpu_kernels.gemv_many(x.reshape(rows, x.shape[-1]), [layer.qweight for layer in layers])
-        return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in outs]
+        return [layer.add_bias(y.reshape(*x.shape[:-1], y.shape[-1])) for layer, y in zip(layers, outs)]
     return [layer(x) for layer in layers]
 
 

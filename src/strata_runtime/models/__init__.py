@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from ..errors import ModelFileError
 
 # general.architecture -> module under strata_runtime.models
-ARCHITECTURES = {"gemma3": "gemma3", "llama": "llama"}
+ARCHITECTURES = {"gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def model_module(architecture: str, path=None):

@@ -1,7 +1,9 @@
 """Llama (Llama 2 and 3, SmolLM, Mistral files that say ``llama``), as its GGUF describes it.
 
 Grouped-query attention with rotary embeddings, a SiLU-gated MLP, RMSNorm
-before each, the output head tied to the embeddings or not.
+before each, the output head tied to the embeddings or not. The Qwen 2 and 3
+files (``qwen2.py``, ``qwen3.py``) are this model with a ``Variant``: query,
+key and value biases, or per-head RMS norms of queries and keys.
 
 Rotary layout: llama.cpp rotates adjacent pairs for this architecture, and
 the GGUF converter permuted the rows of ``attn_q`` and ``attn_k`` within each
@@ -51,6 +53,15 @@ class ModelArgs(DecoderArgs):
         return False
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How a file of the Llama family differs from ``llama``."""
+
+    permuted_rotary: bool = True  # attn_q/attn_k rows interleaved for llama.cpp's pair rotation
+    qkv_bias: bool = False  # attn_q/k/v.bias (qwen2)
+    qk_norm: bool = False  # attn_q_norm/attn_k_norm over each head, before the rotation (qwen3)
+
+
 def unpermute_rotary_rows(weight: QuantTensor, heads: int) -> QuantTensor:
     """Undo the GGUF converter's per-head row order (pairs interleaved) of a
     query or key projection: row ``2i + h`` of each head goes back to ``h * d/2 + i``."""
@@ -61,17 +72,25 @@ def unpermute_rotary_rows(weight: QuantTensor, heads: int) -> QuantTensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache,
+    def __init__(self, args: ModelArgs, variant: Variant, layer: int, w, dtype: torch.dtype, rope: RopeCache,
                  inv_freq: torch.Tensor, cpu_kernels: bool):
         super().__init__()
         p = f"blk.{layer}."
         self.layer = layer
         self.args = args
         self.rope = rope
-        self.q_proj = Linear(unpermute_rotary_rows(w(p + "attn_q.weight"), args.n_heads), dtype)
-        self.k_proj = Linear(unpermute_rotary_rows(w(p + "attn_k.weight"), args.n_kv_heads), dtype)
-        self.v_proj = Linear(w(p + "attn_v.weight"), dtype)
+        q, k = w(p + "attn_q.weight"), w(p + "attn_k.weight")
+        if variant.permuted_rotary:
+            q, k = unpermute_rotary_rows(q, args.n_heads), unpermute_rotary_rows(k, args.n_kv_heads)
+        bias = (lambda name: w(p + name)) if variant.qkv_bias else (lambda name: None)
+        self.q_proj = Linear(q, dtype, bias("attn_q.bias"))
+        self.k_proj = Linear(k, dtype, bias("attn_k.bias"))
+        self.v_proj = Linear(w(p + "attn_v.weight"), dtype, bias("attn_v.bias"))
         self.o_proj = Linear(w(p + "attn_output.weight"), dtype)
+        self.q_norm = self.k_norm = None
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, dtype)
+            self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, dtype)
         self.window = None
         # On the CPU fast path, the cache's attention by the CPU kernels too.
         self.attention_backend = "cpu" if cpu_kernels else "auto"
@@ -81,21 +100,26 @@ class Attention(nn.Module):
         a = self.args
         t = x.shape[0]
         q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
-        cos, sin = self.rope.tables(positions, self.inv_freq, torch.float32)
-        q = apply_rope(q.view(t, a.n_heads, a.head_dim).float(), cos, sin).to(x.dtype)
-        k = apply_rope(k.view(t, a.n_kv_heads, a.head_dim).float(), cos, sin).to(x.dtype)
+        q, k = q.view(t, a.n_heads, a.head_dim), k.view(t, a.n_kv_heads, a.head_dim)
+        if self.q_norm is not None:  # the norm and the rotation in one call (one kernel on the CPU fast path)
+            rope = self.rope.tables(positions, self.inv_freq, torch.float32 if self.q_norm.cpu_kernel else q.dtype)
+            q, k = self.q_norm(q, rope=rope), self.k_norm(k, rope=rope)
+        else:  # the rotation in float32, whatever the activations
+            cos, sin = self.rope.tables(positions, self.inv_freq, torch.float32)
+            q = apply_rope(q.float(), cos, sin).to(x.dtype)
+            k = apply_rope(k.float(), cos, sin).to(x.dtype)
         v = v.view(t, a.n_kv_heads, a.head_dim)
         out = cache.write_and_attend(self.layer, q, k, v, int(positions[0]), a.attention_scale, self.attention_backend)
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache,
+    def __init__(self, args: ModelArgs, variant: Variant, layer: int, w, dtype: torch.dtype, rope: RopeCache,
                  inv_freq: torch.Tensor):
         super().__init__()
         p = f"blk.{layer}."
         self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, dtype)
-        self.attn = Attention(args, layer, w, dtype, rope, inv_freq, self.attn_norm.cpu_kernel)
+        self.attn = Attention(args, variant, layer, w, dtype, rope, inv_freq, self.attn_norm.cpu_kernel)
         self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, dtype)
         self.mlp = GatedMLP(layer, w, dtype, silu_mul)
 
@@ -105,6 +129,8 @@ class Block(nn.Module):
 
 
 class Model(DecoderModel):
+    variant = Variant()
+
     def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
@@ -115,7 +141,8 @@ class Model(DecoderModel):
         if factors is not None:
             inv_freq = inv_freq / dequantize(factors).reshape(-1).cpu()
         rope = RopeCache()
-        self.layers = nn.ModuleList(Block(args, i, weights, dtype, rope, inv_freq) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, self.variant, i, weights, dtype, rope, inv_freq)
+                                    for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
         output = _optional(weights, "output.weight")
         self._head = None if output is None else TiedEmbedding(output, dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -48,9 +49,22 @@ def test_info_describes_the_model(model_file):
     text = out.stdout
     for expected in ("architecture:    gemma3", "context length:  32768", "layers:          18",
                      "4 query, 1 key/value", "Q8_0", "Q4_K", "context of 8192 tokens",
-                     "f16     18432 bytes per token (1.000x f16), 144.0 MiB",
-                     "int8     9504 bytes per token (0.516x f16)", "k8v4     7344 bytes per token (0.398x f16)"):
+                     "f16 stored as float32 with --dtype float32 on cpu",
+                     "f16     36864 bytes per token (1.000x f16), 288.0 MiB",
+                     "int8     9504 bytes per token (0.258x f16)", "k8v4     7344 bytes per token (0.199x f16)"):
         assert expected in text, expected
+    fast = strata("info", str(model_file), "--context", "8192", "--dtype", "bfloat16").stdout
+    for expected in ("f16     18432 bytes per token (1.000x f16), 144.0 MiB",
+                     "int8     9504 bytes per token (0.516x f16)", "k8v4     7344 bytes per token (0.398x f16)"):
+        assert expected in fast, expected
+
+
+def test_info_on_a_llama_file(smollm2_file):
+    out = strata("info", str(smollm2_file))
+    assert out.returncode == 0, out.stderr
+    # 30 layers x 3 KV heads x 64 x (keys and values) x 4 bytes (float32 storage on the exact CPU path)
+    assert "architecture:    llama" in out.stdout
+    assert re.search(rf"f16\s+{30 * 3 * 64 * 2 * 4} bytes per token", out.stdout), out.stdout
 
 
 def test_chat_reads_turns_from_stdin(model_file):

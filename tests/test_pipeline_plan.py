@@ -22,9 +22,17 @@ def test_two_stages_cover_every_layer_and_every_byte(model_gguf):
     assert sum(s.weight_bytes for s in stages) == sum(infos.values()) + embed
     assert stages[0].weight_bytes > embed and stages[1].weight_bytes > embed
     # Sliding layers hold window + one prefill chunk; layers 5, 11, 17 hold the whole context.
-    per_layer = 2 * 256 * 2  # f16 keys and values, one KV head of 256
+    per_layer = 2 * 256 * 4  # keys and values, one KV head of 256; f16 is stored as float32 on the exact CPU path
     assert stages[0].kv_bytes == per_layer * (8 * 1024 + 4096)
     assert stages[1].kv_bytes == per_layer * (7 * 1024 + 2 * 4096)
+    fast = plan_split(model_gguf, "cpu,cpu", "9", context=4096, dtype="bfloat16")  # bfloat16 storage: half
+    assert [s.kv_bytes for s in fast] == [s.kv_bytes // 2 for s in stages]
+
+
+def test_planned_kv_bytes_are_the_bytes_a_cache_allocates(engine, model_file):
+    """The plan counts the storage the engine actually allocates (f16 as float32 on the exact CPU path)."""
+    (stage,) = plan_split(engine.gguf, ["cpu"], None, context=engine.context_length)
+    assert stage.kv_bytes == engine.props()["kv_bytes"]
 
 
 def test_one_device_is_one_stage(model_gguf):

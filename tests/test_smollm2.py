@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 import strata_runtime
 
 DATA = Path(__file__).parent / "data"
@@ -48,3 +50,16 @@ def test_alternating_conversations_equal_cold_runs(smollm2_file):
     assert [g.tokens for g in got] == want
     assert warm.stats()["restored"] >= 1 and got[2].cached_tokens > 10
     assert warm.stats().get("checkpoint_skipped", 0) == 0  # no running state: nothing to checkpoint
+
+
+def test_a_layer_split_gives_the_logits_and_tokens_of_one_stage(smollm2, smollm2_file):
+    split = strata_runtime.load(smollm2_file, progress=False, context_length=512, devices=["cpu", "cpu"],
+                                layer_split=[15], conversation_cache_mib=0)
+    assert split.props()["stages"] == [{"device": "cpu", "layers": [0, 14]}, {"device": "cpu", "layers": [15, 29]}]
+    reference = json.loads((DATA / "smollm2-135m-instruct-q4_1.float32.json").read_text())
+    for case in reference["teacher_forced"]:
+        tokens = case["tokens"][:300]
+        assert torch.allclose(smollm2.logits(tokens), split.logits(tokens), atol=1e-5, rtol=0)
+    for case in reference["greedy"][:3]:
+        assert split.generate(case["prompt_tokens"], max_tokens=8, temperature=0).tokens == \
+            smollm2.generate(case["prompt_tokens"], max_tokens=8, temperature=0).tokens

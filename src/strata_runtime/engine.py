@@ -141,7 +141,8 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
     if config.devices is not None:
         # Checked from metadata alone: a bad split fails before any weight is read.
         context = min(config.context_length, gguf.config.context_length)
-        stages = plan_split(gguf, list(config.devices), config.layer_split, context, config.kv, memory=memory)
+        stages = plan_split(gguf, list(config.devices), config.layer_split, context, config.kv, memory=memory,
+                            dtype=config.dtype)
     tokenizer = Tokenizer.from_gguf(gguf)
     args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
     place = (lambda name: device) if stages is None else (lambda name: tensor_device(name, stages))

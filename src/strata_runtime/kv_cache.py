@@ -159,6 +159,19 @@ def store_fields(store: KVStore) -> dict[str, torch.Tensor]:
     return out
 
 
+def f16_storage_dtype(device: torch.device | str, activations: torch.dtype = torch.float32) -> torch.dtype:
+    """How the f16 KV format is stored: float16 on a GPU; on the CPU in the
+    activations' dtype: bfloat16 on the fast path (lossless, the values are
+    bfloat16 already), float32 on the exact path."""
+    if torch.device(device).type == "cuda":
+        return torch.float16
+    return torch.bfloat16 if activations == torch.bfloat16 else torch.float32
+
+
+def f16_storage_bytes(device: torch.device | str, activations: torch.dtype = torch.float32) -> int:
+    return torch.finfo(f16_storage_dtype(device, activations)).bits // 8
+
+
 def format_bytes_per_token(fmt: str, n_layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
     """Bytes per token of context for a model in ``fmt`` (every layer counted)."""
     return n_layers * layer_bytes_per_token(fmt, kv_heads, head_dim, float_bytes)

@@ -28,7 +28,7 @@ from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 
 from .errors import StrataError
 from .gguf_file import GGUFFile
-from .kv_cache import PREFILL_CHUNK
+from .kv_cache import PREFILL_CHUNK, f16_storage_bytes
 from .memory import HostMemory, MiB
 from .models import model_module
 
@@ -126,10 +126,13 @@ def _model_bytes(gguf: GGUFFile) -> _ModelBytes:
 
 def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | Sequence[int] | None,
                context: int, kv: str = "f16", reserve_bytes: int = DEFAULT_RESERVE,
-               memory: HostMemory | None = None, free_bytes: Sequence[int] | None = None) -> list[StagePlan]:
+               memory: HostMemory | None = None, free_bytes: Sequence[int] | None = None,
+               dtype: str = "float32") -> list[StagePlan]:
     """The stages for ``devices`` and ``layer_split`` (see the module docstring).
     ``free_bytes``: each device's free memory when measured elsewhere (each
-    rank of a split across processes measures its own)."""
+    rank of a split across processes measures its own). ``dtype``: the
+    activations, which decide how f16 KV is stored on a CPU stage."""
+    activations = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     devices = parse_devices(devices)
     split = parse_layer_split(layer_split)
     mb = _model_bytes(gguf)
@@ -150,7 +153,9 @@ def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | 
         layers = range(edges[i], edges[i + 1])
         weights = sum(mb.per_layer[j] for j in layers)
         weights += (mb.first_extra if i == 0 else 0) + (mb.last_extra if i == len(devices) - 1 else 0)
-        kv_bytes = sum(_capacity(mb.windows[j], context) * layer_bytes_per_token(kv, mb.kv_heads, mb.head_dim)
+        float_bytes = f16_storage_bytes(device, activations)
+        kv_bytes = sum(_capacity(mb.windows[j], context) * layer_bytes_per_token(kv, mb.kv_heads, mb.head_dim,
+                                                                               float_bytes)
                        for j in layers)
         stages.append(StagePlan(device, layers, weights, kv_bytes))
     return stages

@@ -128,7 +128,7 @@ def plan_ranks(gguf: GGUFFile, config, rank: int, world: int, memory: HostMemory
         mine //= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(devices[rank]).type == "cpu" else 1
         free = [0] * world
         dist.all_gather_object(free, mine)
-    return plan_split(gguf, devices, split, context, config.kv, memory=memory, free_bytes=free)
+    return plan_split(gguf, devices, split, context, config.kv, memory=memory, free_bytes=free, dtype=config.dtype)
 
 
 def tensor_owners(name: str, stages: list[StagePlan], tied_head: bool) -> set[int]:

@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--layer-split", default=None,
                       help="first layer of each stage after the first (e.g. 9), or auto (default with --devices)")
     info.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV format of the planned split")
+    info.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="the path whose KV storage to count: f16 KV is float32 on the exact CPU path, "
+                           "bfloat16 on the fast one, float16 on a GPU (default float32)")
+    info.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     return parser
 
 
@@ -297,7 +301,9 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.default_model import default_model_path
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
-    from strata_runtime.kv_cache import format_bytes_per_token
+    import torch
+
+    from strata_runtime.kv_cache import f16_storage_dtype, format_bytes_per_token
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
     gguf = GGUFFile.open(path)
@@ -317,10 +323,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("tensors:")
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")
-    print(f"KV cache for a context of {context} tokens (all layers, scales included):")
-    f16 = format_bytes_per_token("f16", c.block_count, c.head_count_kv, c.key_length)
+    storage = f16_storage_dtype(args.device, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    float_bytes = torch.finfo(storage).bits // 8
+    print(f"KV cache for a context of {context} tokens (all layers, scales included; f16 stored as "
+          f"{str(storage).removeprefix('torch.')} with --dtype {args.dtype} on {args.device}):")
+    f16 = format_bytes_per_token("f16", c.block_count, c.head_count_kv, c.key_length, float_bytes)
     for fmt in ("f16", "int8", "k8v4"):
-        per_token = format_bytes_per_token(fmt, c.block_count, c.head_count_kv, c.key_length)
+        per_token = format_bytes_per_token(fmt, c.block_count, c.head_count_kv, c.key_length, float_bytes)
         print(f"  {fmt:<5} {per_token:>7} bytes per token ({per_token / f16:.3f}x f16), "
               f"{per_token * context / MiB:.1f} MiB")
     if args.devices or args.layer_split:
@@ -331,7 +340,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _print_split(gguf, args: argparse.Namespace, context: int) -> None:
     from strata_runtime.pipeline import plan_split
 
-    stages = plan_split(gguf, args.devices or "cpu", args.layer_split, context, args.kv)
+    stages = plan_split(gguf, args.devices or args.device, args.layer_split, context, args.kv, dtype=args.dtype)
     print(f"planned split over {len(stages)} stage(s), KV in {args.kv} at a context of {context}:")
     for i, s in enumerate(stages):
         extra = [w for w, on in (("embeddings", i == 0), ("output head", i == len(stages) - 1)) if on]

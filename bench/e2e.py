@@ -1,4 +1,4 @@
-"""End-to-end speed on the default model: load time, prefill and decode
+"""End-to-end speed on a model (the default one unless ``--model``): load time, prefill and decode
 tokens/s, peak RSS; with llama.cpp side by side when ``llama_cpp`` is
 importable (same file, same thread count, runs alternating).
 
@@ -30,7 +30,7 @@ def peak_rss_mib() -> float:
 
 def long_prompt_ids(engine, n_tokens: int) -> list[int]:
     texts = [case["text"] for case in json.loads(REFERENCE.read_text())["teacher_forced"]]
-    ids = [engine.tokenizer.bos_id]
+    ids = engine.tokenize("")  # the BOS token, where the vocabulary adds one
     while len(ids) < n_tokens:
         for text in texts:
             ids += engine.tokenize(text, add_bos=False)

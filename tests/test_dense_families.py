@@ -82,3 +82,11 @@ def test_tokenizer_equals_transformers(tmp_path, arch):
     ours = _load(path).tokenizer
     for text in CORPUS[:3] + ["  leading spaces and 99999 digits\n\n\tand tabs", "naïve café 🦙"]:
         assert ours.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False), text
+
+
+def test_an_untied_head_through_an_in_process_split(tmp_path):
+    path = write_tiny_model(tmp_path / "untied.gguf", "qwen2", Shape(hidden=64, layers=4, tied=False), 8, Q.Q8_0)
+    one = _load(path)
+    split = _load(path, devices=["cpu", "cpu"], layer_split=[2])
+    ids = one.tokenize(TEXT)
+    torch.testing.assert_close(split.logits(ids), one.logits(ids), atol=1e-5, rtol=0)

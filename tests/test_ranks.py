@@ -222,3 +222,19 @@ def test_two_ranks_on_two_gpus_hand_off_over_nccl(model_file, engine, reference_
         cpu = engine.logits(case["tokens"])
         assert float((logits.argmax(-1) == cpu.argmax(-1)).float().mean()) >= 0.99
     assert driven["conversation"]["stats"]["restored"] >= 1
+
+
+def test_an_untied_head_across_ranks_gives_the_tokens_of_one_process(tmp_path):
+    """The last rank scores with the file's output matrix, not the token table (llama, untied head)."""
+    from gguf import GGMLQuantizationType
+    from tiny_models import Shape, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "untied.gguf", "llama", Shape(hidden=64, layers=4, tied=False), 7,
+                            GGMLQuantizationType.Q8_0)
+    args = ["generate", "The quick brown fox", "--model", str(tiny), "--temperature", "0", "-n", "8",
+            "--context-length", "128", *COMMON]
+    one = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    (code, stdout, stderr), (follower, _, follower_err) = finish(start_ranks(CLI + args + ["--layer-split", "2"]))
+    assert code == 0 and follower == 0, stderr[-2000:] + follower_err[-2000:]
+    assert stdout == one.stdout

@@ -312,6 +312,7 @@ class RankPipeline(nn.Module):
         device = torch.device(stages[0].device)
         mine = stages[0].layers
         model.embedding = _LogitsFromLastRank(model.embedding, self)
+        model.output = None  # the head is scored on the last rank, tied or not
         model.embed_scale = model.embed_scale.to(device)
         model.layers = nn.ModuleList([*(model.layers[i].to(device) for i in mine), _ToNextRank(self)])
         model.norm = nn.Identity()  # applied on the last rank
@@ -470,7 +471,7 @@ class Follower:
         self.blocks = [model.layers[i].to(self.device) for i in stages[rank].layers]
         # Only the last rank keeps the norm and the head; the rest of the model is dropped.
         self.norm = model.norm if self.last else None
-        self.head = model.embedding if self.last else None
+        self.head = model.head if self.last else None  # the output matrix, or the token table when tied
         self.layer_stages = [i for i, s in enumerate(stages) for _ in s.layers]
         self.wire = wire
         self.caches: dict[int, KVCache] = {}

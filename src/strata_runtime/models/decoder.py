@@ -5,9 +5,10 @@ A model file subclasses ``DecoderModel`` and sets, in its constructor:
 ``args`` (its ``ModelArgs``), ``embedding`` (a ``TiedEmbedding``: the token
 table), ``embed_scale`` (a buffer the embeddings are multiplied by),
 ``layers`` (blocks with ``forward(x, positions, cache)`` and an ``attn`` that
-has ``window`` and ``attention_backend``), ``norm`` and ``head`` (the output
-projection: the token table itself when tied). The layer-split pipelines
-read those names.
+has ``window`` and ``attention_backend``), ``norm`` and ``output`` (the
+output projection, a ``TiedEmbedding`` over ``output.weight``, or None when
+the head is tied to the token table). The layer-split pipelines read those
+names; ``head`` is whichever scores the tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ class DecoderModel(nn.Module):
         if last_only:
             x = x[-1:]
         return self.head.logits(self.norm(x))
+
+    @property
+    def head(self) -> nn.Module:
+        """The output projection: ``output``, or the token table when tied (a
+        split replaces ``embedding``, and a tied head goes with it)."""
+        return self.embedding if self.output is None else self.output
 
     @property
     def device(self) -> torch.device:

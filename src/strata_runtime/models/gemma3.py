@@ -111,7 +111,4 @@ class Model(DecoderModel):
         self.layers = nn.ModuleList(Block(args, i, weights, dtype, ropes[args.is_sliding(i)])
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
-
-    @property
-    def head(self) -> TiedEmbedding:
-        return self.embedding  # tied: the layer-split pipelines replace ``embedding``, and the head with it
+        self.output = None  # tied to the token table

@@ -145,11 +145,7 @@ class Model(DecoderModel):
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
         output = _optional(weights, "output.weight")
-        self._head = None if output is None else TiedEmbedding(output, dtype)
-
-    @property
-    def head(self) -> TiedEmbedding:
-        return self.embedding if self._head is None else self._head
+        self.output = None if output is None else TiedEmbedding(output, dtype)
 
 
 def _optional(weights, name: str):

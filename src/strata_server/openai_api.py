@@ -53,14 +53,19 @@ class PromptLimits:
 
     def check_chars(self, characters: int) -> None:
         if self.max_prompt_chars is not None and characters > self.max_prompt_chars:
-            raise ApiError(400, f"the prompt has {characters} characters, more than the {self.context_length} "
-                                f"tokens of the context can hold (at most {self.max_prompt_chars} characters); "
-                                f"shorten the prompt", code="context_length_exceeded")
+            _too_long(None, self.context_length, characters=characters, max_characters=self.max_prompt_chars)
 
     def check_tokens(self, tokens: int) -> None:
         if self.context_length is not None and tokens >= self.context_length:
-            raise ApiError(400, f"the prompt has {tokens} tokens but the context holds {self.context_length}; "
-                                f"shorten the prompt", code="context_length_exceeded")
+            _too_long(tokens, self.context_length)
+
+
+def _too_long(tokens: int | None, context_length: int, **characters: int) -> None:
+    """The engine's own refusal (one wording for both), as a 400."""
+    from strata_runtime.errors import ContextLengthError
+
+    raise ApiError(400, str(ContextLengthError(tokens, context_length, **characters)),
+                   code="context_length_exceeded")
 
 
 def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, Any]:

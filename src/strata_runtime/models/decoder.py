@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..gguf_file import ModelConfig
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, f16_storage_dtype
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,9 @@ class DecoderModel(nn.Module):
 
     def new_cache(self, max_tokens: int, kv: str = "f16") -> KVCache:
         a = self.args
-        # On the CPU fast path keys and values are bfloat16 values already, so
-        # f16-format storage in bfloat16 is lossless and half of float32's bytes.
+        # The CPU fast path's keys and values are bfloat16 values already (the
+        # planner counts the same storage: f16_storage_dtype is the one rule).
         fast = self.layers[0].attn.attention_backend == "cpu"
+        storage = f16_storage_dtype(self.device, torch.bfloat16 if fast else torch.float32)
         return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, self.device,
-                       float_dtype=torch.bfloat16 if fast else None)
+                       float_dtype=storage)

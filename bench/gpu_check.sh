@@ -20,7 +20,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 
 # 1. GPU-marked kernel tests (bf16, large shapes, the attention kernels at 4K/32K).
-timeout 240 python3 -m pytest -m gpu kernels_test -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
+# (GPU_CHECK_BENCH_ONLY=1 skips them, to rerun the benchmarks alone inside the budget.)
+if [ -z "${GPU_CHECK_BENCH_ONLY:-}" ]; then
+    timeout 240 python3 -m pytest -m gpu kernels_test -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
+fi
+# 1b. Every dense family and the conversation cache on CUDA, on tiny files the tests write.
+if [ -z "${GPU_CHECK_BENCH_ONLY:-}" ]; then
+    timeout 150 python3 -m pytest -m gpu tests/test_cuda_families.py -q -x -p no:cacheprovider -rs 2>&1 | tail -30 | tee "$out/gpu-tests-families.txt"
+fi
 # 2. The GEMV/GEMM crossover (sets launch.GEMV_MAX_M).
 timeout 90 python3 bench/kernels.py --crossover --types Q4_K,Q8_0,IQ4_XS,IQ3_S 2>&1 | tee "$out/crossover.txt"
 # 3. qmatmul against the copy bandwidth and a bf16 matmul, the target shape class.

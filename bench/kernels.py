@@ -49,7 +49,9 @@ def time_call(fn, device: torch.device, reps: int) -> float:
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, quantiles=[0.5], warmup=10, rep=100)[0] / 1e3
+        # do_bench returns a list for several quantiles and a float for one (Triton 3.6).
+        median = triton.testing.do_bench(fn, quantiles=[0.5], warmup=10, rep=100)
+        return (median[0] if isinstance(median, (list, tuple)) else median) / 1e3
     fn()
     samples = []
     for _ in range(reps):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import block_format
+from .formats import FLOAT_TYPES, block_format
 from .launch import resolve_backend
 from .quant_tensor import QuantTensor
 from .reference import DEQUANTIZE_BLOCKS, dequantize_blocks
@@ -29,6 +29,8 @@ def dequantize(qt: QuantTensor, dtype: torch.dtype = torch.float32, backend: str
             f"dequantizing {qt.qtype.name} is not supported; supported types: {supported}"
         )
     chosen = resolve_backend(qt.device, backend)
+    if qt.qtype in FLOAT_TYPES:
+        chosen = "torch"  # a plain view and a cast, on any device
     if chosen == "triton":
         from ._triton_dequant import dequantize_triton
 

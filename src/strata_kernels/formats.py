@@ -17,6 +17,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 QK_K = 256
+# Types stored as plain floats (norms, biases, some embeddings and heads): no
+# blocks to read, so every backend holds them dense and converts them in torch.
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows, qmatmul
+from strata_kernels.formats import FLOAT_TYPES
 from strata_kernels.launch import CPU_GEMV_MAX_M
 
 
@@ -21,11 +22,14 @@ def cpu_fast_path(device: torch.device, dtype: torch.dtype) -> bool:
 
 def keeps_blocks(weight: QuantTensor, dtype: torch.dtype) -> bool:
     """Whether a layer keeps ``weight`` as its GGUF blocks instead of a dense
-    copy: on a GPU (the Triton kernels read them), on the meta device (a
-    weight another process of a split holds: it stays a shape, no bytes), and
-    on the CPU fast path when the CPU kernels read the type and could be built
-    (else that weight is dense bfloat16, and the build failure was logged)."""
-    if weight.device.type in ("cuda", "meta"):
+    copy: on a GPU for the quantized types (the Triton kernels read them;
+    float weights are dense there), on the meta device (a weight another
+    process of a split holds: it stays a shape, no bytes), and on the CPU fast
+    path when the CPU kernels read the type and could be built (else that
+    weight is dense bfloat16, and the build failure was logged)."""
+    if weight.device.type == "cuda":
+        return weight.qtype not in FLOAT_TYPES
+    if weight.device.type == "meta":
         return True
     return cpu_fast_path(weight.device, dtype) and cpu_kernels.supports(weight)
 

@@ -1,0 +1,69 @@
+"""Every dense family on a CUDA device (GGUF blocks through the compiled Triton
+kernels), against the exact float32 path on the CPU; and the conversation
+cache on CUDA (pinned pool, copy stream): park and restore equal cold runs.
+
+Tiny random-weight files (tests/tiny_models.py), written here, so the run
+needs no model download: `pytest -m gpu tests/test_cuda_families.py` on a
+GPU (bench/gpu_check.sh runs it). Skipped, saying so, without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from tiny_models import CORPUS, Shape, write_tiny_model
+
+import strata_runtime
+
+pytestmark = pytest.mark.gpu
+
+TEXT = " ".join(CORPUS[:3])
+SHAPE = Shape(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=False)
+
+
+def _load(path, **options):
+    options.setdefault("conversation_cache_mib", 0)
+    return strata_runtime.load(path, progress=False, context_length=256, **options)
+
+
+def _agreement(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    return float(kl.mean()), float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+
+
+# gguf-py quantizes the small-block types only; the kernels tests cover every type on random blocks.
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cuda_family_matches_the_exact_cpu_path(tmp_path, arch, qtype):
+    from strata_runtime.layers import Linear
+
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, SHAPE, 11, qtype)
+    exact = _load(path, dtype="float32")
+    ids = exact.tokenize(TEXT)
+    reference = exact.logits(ids)
+    for kv, (max_kl, min_top1) in {"f16": (0.01, 0.9), "int8": (0.01, 0.9), "k8v4": (0.05, 0.8)}.items():
+        gpu = _load(path, device="cuda", kv=kv)
+        linears = [m for m in gpu.model.modules() if isinstance(m, Linear)]
+        # Every projection reads its GGUF blocks (the float32 token table is dense).
+        assert sum(m.qweight is not None and m.weight is None for m in linears) >= 7 * SHAPE.layers
+        logits = gpu.logits(ids).float().cpu()
+        kl, top1 = _agreement(logits, reference)
+        print(f"{arch} {qtype.name} {kv}: KL {kl:.4f}, top-1 {top1:.1%}")
+        assert kl <= max_kl and top1 >= min_top1, (kv, kl, top1)
+
+
+@pytest.mark.parametrize("kv", ["f16", "k8v4"])
+def test_park_and_restore_on_cuda_equal_cold_runs(tmp_path, kv):
+    path = write_tiny_model(tmp_path / "llama.gguf", "llama", SHAPE, 12, Q.Q8_0)
+    engine = _load(path, device="cuda", kv=kv, conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)
+    first, second = CORPUS[0], CORPUS[1]
+    prompts = [engine.tokenize(t) for t in (first, second, first + " " + second, second + " " + first)]
+    warm = [engine.generate(p, max_tokens=6, temperature=0) for p in prompts]
+    cold_engine = _load(path, device="cuda", kv=kv)
+    cold = [cold_engine.generate(p, max_tokens=6, temperature=0).tokens for p in prompts]
+    assert [w.tokens for w in warm] == cold
+    stats = engine.stats()
+    assert stats["parked"] >= 2 and stats["restored"] >= 1, stats
+    assert any(w.cached_tokens > 10 for w in warm[2:]), [w.cached_tokens for w in warm]

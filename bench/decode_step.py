@@ -61,7 +61,7 @@ def main() -> None:
     cpu_kernels.rms_norm = timed(lambda *a: "norms (+RoPE, residual)", cpu_kernels.rms_norm)
 
     prompt = long_prompt_ids(engine, args.context)
-    cache = engine.model.new_cache(len(prompt) + args.steps + 8)  # 4 warm-up steps too
+    cache = engine.new_cache(len(prompt) + args.steps + 8)  # 4 warm-up steps too
     with torch.inference_mode():
         logits = prefill(engine.model, cache, prompt)
         token = int(logits.argmax())

@@ -40,7 +40,7 @@ def long_prompt_ids(engine, n_tokens: int) -> list[int]:
 def bench_strata(engine, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
     from strata_runtime.generation import decode_step, prefill
 
-    cache = engine.model.new_cache(len(prompt) + decode_tokens + 1)
+    cache = engine.new_cache(len(prompt) + decode_tokens + 1)
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits = prefill(engine.model, cache, prompt)

@@ -162,7 +162,9 @@ def test_gemv_many_equals_one_weight_at_a_time(m, dtype):
 # --- the small ops of a decode step -----------------------------------------------
 
 def _norm_float64(x, weight, eps, residual=None, rope=None):
-    y = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    y = x.double()
+    if weight is not None:
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
     if rope is not None:
         cos, sin = (t.double() for t in rope)
         half = y.shape[-1] // 2
@@ -175,17 +177,21 @@ def _norm_float64(x, weight, eps, residual=None, rope=None):
 @pytest.mark.parametrize("shape,with_rope", [((1, 640), False), ((3, 4, 256), False), ((3, 4, 256), True),
                                              ((5, 2, 100), False), ((5, 2, 100), True)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_rope_residual_match_float64(dtype, shape, with_rope, with_residual):
+@pytest.mark.parametrize("with_norm", [True, False], ids=["norm", "no-norm"])
+def test_rms_norm_rope_residual_match_float64(dtype, shape, with_rope, with_residual, with_norm):
     g = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
-    weight = torch.rand(shape[-1], generator=g) + 0.5
+    weight = torch.rand(shape[-1], generator=g) + 0.5 if with_norm else None
     residual = torch.randn(shape, generator=g).to(dtype) if with_residual else None
     rope = None
     if with_rope:
         angles = torch.rand(shape[0], 1, shape[-1] // 2, generator=g) * 6
         angles = torch.cat([angles, angles], -1)
         rope = (angles.cos(), angles.sin())
-    actual = cpu_kernels.rms_norm(x, weight, 1e-6, residual, rope)
+    if weight is None and residual is None and rope is not None:
+        actual = cpu_kernels.rope(x, *rope)  # Llama's queries and keys: the rotation alone
+    else:
+        actual = cpu_kernels.rms_norm(x, weight, 1e-6, residual, rope)
     expected = _norm_float64(x, weight, 1e-6, residual, rope)
     assert actual.shape == x.shape and actual.dtype == dtype
     # Float32 inside, rounded once: within float32 noise, or half a bfloat16 step.
@@ -212,17 +218,24 @@ def test_decode_ops_bad_input_is_clear():
         cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, 3, None, 1.0, torch.zeros(2, 64), torch.zeros(2, 64))
     with pytest.raises(RuntimeError, match="gate and up must be float32 or bfloat16 tensors of one shape and dtype"):
         cpu_kernels.gelu_tanh_mul(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="gate and up must be float32 or bfloat16 tensors of one shape and dtype"):
+        cpu_kernels.silu_mul(torch.zeros(3, dtype=torch.float16), torch.zeros(3, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 2048), (3, 100)])  # 100: a tail past the SIMD lanes
-def test_gelu_tanh_mul_matches_float64(dtype, shape):
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_gated_activations_match_float64(dtype, shape, act):
     g = torch.Generator().manual_seed(shape[-1])
     gate = (torch.randn(shape, generator=g) * 4).to(dtype)
-    gate.view(-1)[:4] = torch.tensor([30.0, -30.0, 0.0, -1e-3])  # saturated both ways, zero, tiny
+    gate.view(-1)[:5] = torch.tensor([30.0, -30.0, 0.0, -1e-3, -100.0])  # saturated both ways, zero, tiny
     up = torch.randn(shape, generator=g).to(dtype)
-    actual = cpu_kernels.gelu_tanh_mul(gate, up)
-    expected = torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()
+    if act == "silu":
+        actual = cpu_kernels.silu_mul(gate, up)
+        expected = torch.nn.functional.silu(gate.double()) * up.double()
+    else:
+        actual = cpu_kernels.gelu_tanh_mul(gate, up)
+        expected = torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()
     assert actual.shape == gate.shape and actual.dtype == dtype
     rtol = 1e-5 if dtype == torch.float32 else 2.0**-8
     assert torch.allclose(actual.double(), expected, rtol=rtol, atol=1e-6), \

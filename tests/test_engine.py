@@ -50,7 +50,7 @@ def test_end_of_generation_token_ends_the_loop(engine):
 
     prompt = engine.tokenize(PROMPT)
     first = engine.generate(prompt, max_tokens=1, temperature=0).tokens[0]
-    cache = engine.model.new_cache(64)
+    cache = engine.new_cache(64)
     with torch.inference_mode():
         out = list(generate_tokens(engine.model, cache, prompt, Sampler(SamplingParams(temperature=0)), 10, frozenset({first})))
     assert out == [first]
@@ -98,6 +98,7 @@ def test_props(engine, model_file):
     assert p["architecture"] == "gemma3" and p["model"] == "Gemma 3 270m"
     assert p["context_length"] == 2048 and p["model_context_length"] == 32768
     assert p["dtype"] == "float32" and p["kv"] == "f16" and p["kv_storage"] == "float32"
+    assert p["backend"] == ["cpu float32: torch ops on dense weights"]
     assert p["kv_bytes_per_token"] == 18 * 1 * (256 + 256) * 4
     assert p["path"] == str(model_file)
 

@@ -9,6 +9,7 @@ import torch
 
 import strata_runtime
 from strata_kernels import cpu_kernels
+from strata_runtime.backend import Backend
 from strata_runtime.layers import Linear
 from strata_runtime.quality import agreement, logits_of
 
@@ -88,6 +89,7 @@ def test_fast_path_keeps_every_weight_as_gguf_blocks(fast, model_gguf):
     assert sum(m.qweight.nbytes for m in linears) == sum(
         model_gguf.tensor(n).nbytes for n in model_gguf.tensor_names() if model_gguf.tensor(n).qtype.name != "F32")
     assert fast.props()["dtype"] == "bfloat16"
+    assert fast.props()["backend"] == ["cpu bfloat16: compiled CPU kernels on GGUF blocks"]
     assert fast.props()["cpu_kernels"].startswith("built for -march=native: ")
 
 
@@ -98,5 +100,5 @@ def test_fast_path_falls_back_to_dense_bfloat16_for_a_type_the_kernels_do_not_re
 
     iq = QuantTensor(torch.zeros(2, 136, dtype=torch.uint8), T.IQ4_XS, (2, 256))
     assert not cpu_kernels.supports(iq)
-    layer = Linear(iq, torch.bfloat16)
+    layer = Linear(iq, Backend.choose("cpu", torch.bfloat16))
     assert layer.qweight is None and layer.weight.dtype == torch.bfloat16

@@ -15,11 +15,8 @@ from strata_runtime.quality import Agreement, logits_of, plain_and_nudged
 
 
 def test_memory_per_token_by_format(engine):
-    model = engine.model
-    a = model.args
-
     def per_token(fmt):
-        cache = KVCache(fmt, model.attention_windows(), a.n_kv_heads, a.head_dim, 64, float_dtype=torch.float16)
+        cache = KVCache(fmt, engine.model.state_spec(), 64, float_dtype=torch.float16)
         return cache.bytes_per_token()
 
     f16, int8, k8v4 = per_token("f16"), per_token("int8"), per_token("k8v4")
@@ -85,8 +82,7 @@ def test_sliding_rings_equal_full_storage(engine):
     tokens = [2] + [int(t) for t in torch.randint(300, 20000, (1200,), generator=torch.Generator().manual_seed(0))]
     ring = engine.logits(tokens)
     model = engine.model
-    a = model.args
-    full = KVCache("f16", model.attention_windows(), a.n_kv_heads, a.head_dim, len(tokens), ring=False)
+    full = KVCache("f16", model.state_spec(), len(tokens), ring=False)
     from strata_runtime.generation import forward_chunks
 
     with torch.inference_mode():
@@ -117,8 +113,7 @@ def test_export_import_continues_the_same(engine):
 
 
 def test_trim_within_a_ring_and_beyond_it(engine):
-    a = engine.model.args
-    cache = KVCache("int8", engine.model.attention_windows(), a.n_kv_heads, a.head_dim, 2000)
+    cache = KVCache("int8", engine.model.state_spec(), 2000)
     cache.length = 1500  # positions 0..1499 written (contents do not matter here)
     assert cache.trim(1400) == 1400  # the rings still hold what position 1400 looks back to
     cache.length = 1500

@@ -238,3 +238,15 @@ def test_an_untied_head_across_ranks_gives_the_tokens_of_one_process(tmp_path):
     (code, stdout, stderr), (follower, _, follower_err) = finish(start_ranks(CLI + args + ["--layer-split", "2"]))
     assert code == 0 and follower == 0, stderr[-2000:] + follower_err[-2000:]
     assert stdout == one.stdout
+
+
+def test_smollm2_across_two_ranks_gives_the_tokens_of_one_process(smollm2_file):
+    """A real llama-architecture file (tied head, GQA 9/3, 30 layers) split over two ranks."""
+    args = ["generate", "The three primary colors are", "--model", str(smollm2_file), "--temperature", "0",
+            "-n", "16", "--context-length", "256", *COMMON]
+    one = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    assert len(one.stdout.strip()) > 10
+    (code, stdout, stderr), (follower, _, follower_err) = finish(start_ranks(CLI + args + ["--layer-split", "15"]))
+    assert code == 0 and follower == 0, stderr[-2000:] + follower_err[-2000:]
+    assert stdout == one.stdout

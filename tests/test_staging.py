@@ -95,9 +95,10 @@ def test_no_host_allocation_after_start():
         import resource, torch
         from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Saved
         from strata_runtime.kv_cache import KVCache
+        from strata_runtime.state import AttentionState
         from strata_runtime.staging import StagingPool
         cc = ConversationCache(StagingPool(64, 1 << 20), slots=2)   # 64 MiB, reserved at start
-        cache = KVCache("int8", [64, None, 64, None], 2, 128, 4096)
+        cache = KVCache("int8", [AttentionState(2, 128, 64), AttentionState(2, 128)] * 2, 4096)
         for store in cache.stores:                   # about 1 MiB of live state per sequence
             store.k.random_(-127, 127)
             store.v.random_(-127, 127)

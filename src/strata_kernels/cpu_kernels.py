@@ -161,7 +161,20 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return kernels().attention_decode(q.contiguous(), k, v, position, window, scale, new_k, new_v)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The NEOX rotary embedding of ``x`` ``[T, H, D]`` (float32 or bfloat16)
+    by float32 cos/sin ``[T, 1, D]``, in one call, float32 inside, rounded
+    once to x's dtype (``rms_norm``'s rotation without the norm)."""
+    return kernels().rms_norm(x.contiguous(), None, 0.0, None, cos, sin)
+
+
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` (float32 or bfloat16, one shape
     and dtype) in one call, float32 inside, rounded once."""
-    return kernels().gelu_tanh_mul(gate, up)
+    return kernels().gated_mul(gate, up, 0)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (float32 or bfloat16, one shape and dtype) in one
+    call, float32 inside, rounded once."""
+    return kernels().gated_mul(gate, up, 1)

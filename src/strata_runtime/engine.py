@@ -18,19 +18,14 @@ from .errors import ContextLengthError, StrataError
 from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache
-from .models import build_model, model_module
-from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split, tensor_device
+from .loader import DTYPES, build_model, open_model
+from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split
+from .placement import Placement
 from .memory import MiB, HostMemory
 from .sampling import Sampler, SamplingParams
 from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
-
-# float32: the exact path. bfloat16: the fast CPU path (bf16 activations,
-# weights kept as GGUF blocks for the compiled CPU kernels; its error against
-# float32 is measured in tests/test_fast_path.py).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -128,28 +123,25 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
     (default: this host's ``/proc`` and cgroup files).
     """
     config = EngineConfig.from_options(options)
-    device = torch.device(config.device)
     if config.distributed:  # each rank checks its own device: the others may be on other hosts
         return _load_rank0(path, config, memory)
     for name in config.devices or (config.device,):
         check_device(name)
     if path is None:
         path = default_model_path(config.cache_dir, progress=config.progress)
-    gguf = GGUFFile.open(path)
-    module = model_module(gguf.architecture, gguf.path)
-    stages = None
+    opened = open_model(path)
+    gguf = opened.gguf
     if config.devices is not None:
         # Checked from metadata alone: a bad split fails before any weight is read.
         context = min(config.context_length, gguf.config.context_length)
-        stages = plan_split(gguf, list(config.devices), config.layer_split, context, config.kv, memory=memory,
-                            dtype=config.dtype)
+        placement = Placement.of_stages(plan_split(gguf, list(config.devices), config.layer_split, context,
+                                                   config.kv, memory=memory, dtype=config.dtype))
+    else:
+        placement = Placement.one_device(config.device, len(opened.state_spec))
     tokenizer = Tokenizer.from_gguf(gguf)
-    args = module.ModelArgs.from_config(gguf.config, tokenizer.vocab.size)
-    place = (lambda name: device) if stages is None else (lambda name: tensor_device(name, stages))
-    model = build_model(gguf, module, args, DTYPES[config.dtype], place, config.progress, f"loading {gguf.path.name}")
-    with torch.inference_mode():
-        model = model.to(device) if stages is None else Pipeline(model, stages)
-    return Engine(gguf, model, tokenizer, config, memory)
+    model = build_model(opened, placement, config.dtype, config.progress, f"loading {gguf.path.name}")
+    runner = model if len(placement.stage_devices) == 1 else Pipeline(model)
+    return Engine(gguf, runner, tokenizer, config, memory)
 
 
 def check_device(name: str) -> None:
@@ -297,6 +289,14 @@ class Engine:
         return render_and_tokenize(self.chat_template, self.tokenizer, messages, add_generation_prompt,
                                    self._check_chars, abort)
 
+    def _stages(self) -> list[dict[str, Any]]:
+        """A split's stages (none on one device): each one's device and first and last layer."""
+        placement = self.model.placement
+        if len(placement.stage_devices) == 1:
+            return []
+        return [{"device": str(device), "layers": [layers.start, layers.stop - 1]}
+                for device, layers in zip(placement.stage_devices, placement.stage_layers())]
+
     def props(self) -> dict[str, Any]:
         c = self.gguf.config
         return {
@@ -309,8 +309,8 @@ class Engine:
             "vocab_size": self.tokenizer.vocab.size,
             "dtype": self.config.dtype,
             "device": str(self.model.device),
-            "stages": [{"device": s.device, "layers": [s.layers.start, s.layers.stop - 1]}
-                       for s in getattr(self.model, "stages", [])],
+            "stages": self._stages(),
+            "backend": [b.describe() for b in self.model.backends if b.kernels != "meta"],
             "kv": self.config.kv,
             "kv_storage": str(self._cache.stores[0].k.dtype).removeprefix("torch."),
             "kv_bytes_per_token": self._cache.bytes_per_token(),

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive, write_and_attend
-from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 
-# Prefill runs in chunks of at most this many tokens, so a sliding-window
-# layer's ring needs only its window plus one chunk of slots.
-PREFILL_CHUNK = 512
+from .placement import Placement
+from .state import PREFILL_CHUNK, LayerState  # noqa: F401  (PREFILL_CHUNK: re-exported for the prefill loop)
 
 
 @dataclass(frozen=True)
@@ -26,39 +25,59 @@ class CacheSnapshot:
 
 
 class KVCache:
-    """Keys and values of every layer of one sequence.
+    """Keys and values of every layer of one sequence, laid out as the
+    model's ``state_spec()`` says.
 
     Invariant: layer ``l`` holds positions ``max(0, length - capacity_l) ..
     length - 1``, position ``p`` in slot ``p % capacity_l`` of its store.
     Full-attention layers have ``max_tokens`` slots (they never wrap);
     sliding-window layers have ``window + PREFILL_CHUNK`` (fewer if
     ``max_tokens`` is smaller), which is all a chunk of queries can reach.
+    f16 values are stored as ``f16_storage_dtype`` of the layer's device
+    and the activations says (the split planner counts the same bytes).
     Storage is allocated once, here. ``ring=False`` gives every layer full
     capacity (the windows still mask): the equivalence tests' baseline.
     """
 
-    def __init__(self, fmt: str, windows: list[int | None], kv_heads: int, head_dim: int, max_tokens: int,
-                 device: torch.device | str | list = "cpu", float_dtype: torch.dtype | None = None, ring: bool = True,
-                 layer_stages: list[int] | None = None):
+    def __init__(self, fmt: str, spec: Sequence[LayerState], max_tokens: int,
+                 devices: torch.device | str | Sequence = "cpu", activations: torch.dtype = torch.float32,
+                 ring: bool = True, layer_stages: Sequence[int] | None = None, stage: int | None = None,
+                 float_dtype: torch.dtype | None = None):
+        """``devices``: one for every layer, or one per layer (a layer split).
+        ``layer_stages``: the split's stage of each layer; with ``stage`` (a
+        split across processes: the stage this process runs) the other
+        stages' stores are shapes on the meta device, typed as their own
+        devices store them. ``float_dtype`` overrides the f16 storage."""
         if fmt not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         self.fmt = fmt
-        self.windows = list(windows)
+        self.spec = list(spec)
+        self.windows = [layer.window for layer in self.spec]
         self.max_tokens = max_tokens
-        # The pipeline stage owning each layer (all 0 without a split).
-        self.layer_stages = list(layer_stages) if layer_stages is not None else [0] * len(self.windows)
-        # One device for all layers, or (a layer-split pipeline) one per layer.
-        devices = device if isinstance(device, list) else [device] * len(self.windows)
-        self.stores = [
-            KVStore.allocate(fmt, _capacity(w if ring else None, max_tokens), kv_heads, head_dim, d, float_dtype)
-            for w, d in zip(self.windows, devices)
-        ]
+        self.layer_stages = list(layer_stages) if layer_stages is not None else [0] * len(self.spec)
+        devices = list(devices) if isinstance(devices, (list, tuple)) else [devices] * len(self.spec)
+        self.stores = []
+        for layer, device, owner in zip(self.spec, devices, self.layer_stages):
+            dtype = float_dtype or f16_storage_dtype(device, activations)
+            held_here = stage is None or owner == stage
+            capacity = layer.capacity(max_tokens) if ring else max_tokens
+            self.stores.append(KVStore.allocate(fmt, capacity, layer.kv_heads, layer.head_dim,
+                                                device if held_here else "meta", dtype))
         self.length = 0
         # Rank 0 of a split across processes: the stores of other ranks'
         # layers are on the meta device (shapes only) and their parts of a
         # snapshot are copied through this link (``ranks.RankPipeline``).
         self.remote = None
         self.remote_id: int | None = None  # this cache's id on the other ranks
+
+    @classmethod
+    def for_placement(cls, fmt: str, spec: Sequence[LayerState], placement: Placement, max_tokens: int,
+                      activations: torch.dtype) -> "KVCache":
+        """The cache of a model placed as ``placement`` (the one way the
+        runtime makes one: one device, a split, or one stage of a split
+        across processes, whose other stages are shapes here)."""
+        return cls(fmt, spec, max_tokens, placement.layer_devices, activations,
+                   layer_stages=placement.layer_stages, stage=placement.stage)
 
     # --- writing and reading ----------------------------------------------
 
@@ -147,10 +166,6 @@ class KVCache:
         self.length = snapshot.length
 
 
-def _capacity(window: int | None, max_tokens: int) -> int:
-    return max_tokens if window is None else min(max_tokens, window + PREFILL_CHUNK)
-
-
 def store_fields(store: KVStore) -> dict[str, torch.Tensor]:
     """A layer store's tensors by name (scales only where the format has them)."""
     out = {"k": store.k, "v": store.v}
@@ -170,8 +185,3 @@ def f16_storage_dtype(device: torch.device | str, activations: torch.dtype = tor
 
 def f16_storage_bytes(device: torch.device | str, activations: torch.dtype = torch.float32) -> int:
     return torch.finfo(f16_storage_dtype(device, activations)).bits // 8
-
-
-def format_bytes_per_token(fmt: str, n_layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
-    """Bytes per token of context for a model in ``fmt`` (every layer counted)."""
-    return n_layers * layer_bytes_per_token(fmt, kv_heads, head_dim, float_bytes)

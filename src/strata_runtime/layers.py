@@ -8,55 +8,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows, qmatmul
-from strata_kernels.formats import FLOAT_TYPES
 from strata_kernels.launch import CPU_GEMV_MAX_M
 
-
-def cpu_fast_path(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` on ``device`` runs on the compiled CPU kernels
-    (``strata_kernels.cpu_kernels``): bfloat16 on the CPU is the fast path,
-    when the kernels could be built (else the torch ops, and the build
-    failure was logged). The one place this is decided."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.available()
-
-
-def keeps_blocks(weight: QuantTensor, dtype: torch.dtype) -> bool:
-    """Whether a layer keeps ``weight`` as its GGUF blocks instead of a dense
-    copy: on a GPU for the quantized types (the Triton kernels read them;
-    float weights are dense there), on the meta device (a weight another
-    process of a split holds: it stays a shape, no bytes), and on the CPU fast
-    path when the CPU kernels read the type and could be built (else that
-    weight is dense bfloat16, and the build failure was logged)."""
-    if weight.device.type == "cuda":
-        return weight.qtype not in FLOAT_TYPES
-    if weight.device.type == "meta":
-        return True
-    return cpu_fast_path(weight.device, dtype) and cpu_kernels.supports(weight)
+from .backend import Backend
 
 
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` for a GGUF weight of logical shape ``[out, in]``.
 
     Invariant: exactly one of ``qweight`` (the GGUF blocks, read by
-    ``qmatmul`` on ``backend`` without a dense copy) and ``weight`` (the
-    dequantization in ``dtype``, exact for float32) is set; ``bias`` is
-    None or ``[out]`` in ``dtype``.
+    ``qmatmul`` without a dense copy, where ``backend.keeps_blocks`` says) and
+    ``weight`` (the dequantization in the backend's activation dtype, exact
+    for float32) is set; ``bias`` is None or ``[out]`` in that dtype.
     """
 
-    def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: QuantTensor | None = None):
+    def __init__(self, weight: QuantTensor, backend: Backend, bias: QuantTensor | None = None):
         super().__init__()
+        dtype = backend.activations
         self.bias = None if bias is None else nn.Parameter(dequantize(bias, dtype).reshape(-1), requires_grad=False)
         self.qweight: QuantTensor | None = None
         self.weight = None
-        if keeps_blocks(weight, dtype):
+        if backend.keeps_blocks(weight):
             self.qweight = weight
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
         # Blocks read by the compiled CPU kernels (see ``linears``).
-        self.cpu_blocks = self.qweight is not None and weight.device.type == "cpu"
+        self.cpu_blocks = self.qweight is not None and backend.cpu_kernels
         # On the CPU, the kernel directly: qmatmul's checks held here once, and
         # at decode sizes they would cost a tenth of the product.
-        self._matmul = cpu_kernels.qmatmul_cpu if weight.device.type == "cpu" else qmatmul
+        self._matmul = cpu_kernels.qmatmul_cpu if self.cpu_blocks else qmatmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
@@ -86,10 +66,14 @@ class TiedEmbedding(nn.Module):
     them (rows are dequantized as they are looked up), the dense table
     otherwise."""
 
-    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
+    def __init__(self, weight: QuantTensor, backend: Backend):
         super().__init__()
-        self.out = Linear(weight, dtype)
-        self.dtype = dtype
+        self.out = Linear(weight, backend)
+        self.dtype = backend.activations
+
+    @property
+    def device(self) -> torch.device:
+        return (self.out.weight if self.out.weight is not None else self.out.qweight).device
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.out.weight is not None:
@@ -116,11 +100,11 @@ class RMSNorm(nn.Module):
     decode sizes), plain torch ops otherwise.
     """
 
-    def __init__(self, weight: QuantTensor, eps: float, dtype: torch.dtype = torch.float32):
+    def __init__(self, weight: QuantTensor, eps: float, backend: Backend):
         super().__init__()
         self.weight = nn.Parameter(dequantize(weight).reshape(-1), requires_grad=False)
         self.eps = eps
-        self.cpu_kernel = cpu_fast_path(weight.device, dtype)
+        self.cpu_kernel = backend.cpu_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -171,17 +155,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up``, the gated MLP's middle: one
-    kernel call on the CPU fast path (bfloat16 on the CPU, kernels built),
-    two torch ops otherwise."""
-    if cpu_fast_path(gate.device, gate.dtype):
+    kernel call on the CPU kernels' backend, two torch ops otherwise."""
+    if cpu_kernel:
         return cpu_kernels.gelu_tanh_mul(gate, up)
     return F.gelu(gate, approximate="tanh") * up
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, the SiLU-gated MLP's middle (Llama, Qwen)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``, the SiLU-gated MLP's middle (Llama, Qwen): one
+    kernel call on the CPU kernels' backend, two torch ops otherwise."""
+    if cpu_kernel:
+        return cpu_kernels.silu_mul(gate, up)
     return F.silu(gate) * up
 
 
@@ -190,14 +176,15 @@ class GatedMLP(nn.Module):
     ``ffn_up`` and ``ffn_down``; ``act_mul`` is the fused ``act(gate) * up``
     (``gelu_tanh_mul`` for Gemma, ``silu_mul`` for Llama and Qwen)."""
 
-    def __init__(self, layer: int, w, dtype: torch.dtype, act_mul):
+    def __init__(self, layer: int, w, backend: Backend, act_mul):
         super().__init__()
         p = f"blk.{layer}."
-        self.gate = Linear(w(p + "ffn_gate.weight"), dtype)
-        self.up = Linear(w(p + "ffn_up.weight"), dtype)
-        self.down = Linear(w(p + "ffn_down.weight"), dtype)
+        self.gate = Linear(w(p + "ffn_gate.weight"), backend)
+        self.up = Linear(w(p + "ffn_up.weight"), backend)
+        self.down = Linear(w(p + "ffn_down.weight"), backend)
         self.act_mul = act_mul
+        self.cpu_kernel = backend.cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linears(x, self.gate, self.up)
-        return self.down(self.act_mul(gate, up))
+        return self.down(self.act_mul(gate, up, self.cpu_kernel))

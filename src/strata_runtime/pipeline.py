@@ -17,20 +17,19 @@ sized by each device's free memory after a per-device reserve.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
-
 from .errors import StrataError
 from .gguf_file import GGUFFile
-from .kv_cache import PREFILL_CHUNK, f16_storage_bytes
+from .kv_cache import KVCache, f16_storage_bytes
+from .loader import open_model
 from .memory import HostMemory, MiB
-from .models import model_module
+from .models.decoder import finish
+from .state import LayerState, kv_bytes
 
 DEFAULT_RESERVE = 1024 * MiB  # left free on every device by "auto"
 
@@ -103,25 +102,19 @@ class _ModelBytes:
     per_layer: list[int]
     first_extra: int  # token embeddings
     last_extra: int  # output head (the tied table again when there is no output.weight) and final norm
-    windows: list[int | None]
-    kv_heads: int
-    head_dim: int
+    spec: list[LayerState]  # the state each layer keeps
 
 
 def _model_bytes(gguf: GGUFFile) -> _ModelBytes:
     infos = {t.name: t for t in gguf.tensor_infos()}
-    n = gguf.config.block_count
-    per_layer = [0] * n
+    per_layer = [0] * gguf.config.block_count
     for name, info in infos.items():
         if name.startswith("blk."):
             per_layer[int(name.split(".")[1])] += info.nbytes
     embed = infos["token_embd.weight"].nbytes
     head = infos["output.weight"].nbytes if "output.weight" in infos else embed
     norm = infos["output_norm.weight"].nbytes if "output_norm.weight" in infos else 0
-    module = model_module(gguf.architecture, gguf.path)
-    args = module.ModelArgs.from_config(gguf.config, infos["token_embd.weight"].shape[0])
-    windows = [args.sliding_window if args.is_sliding(i) else None for i in range(n)]
-    return _ModelBytes(per_layer, embed, head + norm, windows, args.n_kv_heads, args.head_dim)
+    return _ModelBytes(per_layer, embed, head + norm, open_model(gguf).state_spec)
 
 
 def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | Sequence[int] | None,
@@ -154,15 +147,9 @@ def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | 
         weights = sum(mb.per_layer[j] for j in layers)
         weights += (mb.first_extra if i == 0 else 0) + (mb.last_extra if i == len(devices) - 1 else 0)
         float_bytes = f16_storage_bytes(device, activations)
-        kv_bytes = sum(_capacity(mb.windows[j], context) * layer_bytes_per_token(kv, mb.kv_heads, mb.head_dim,
-                                                                               float_bytes)
-                       for j in layers)
-        stages.append(StagePlan(device, layers, weights, kv_bytes))
+        stages.append(StagePlan(device, layers, weights, kv_bytes([mb.spec[j] for j in layers], context, kv,
+                                                                  float_bytes)))
     return stages
-
-
-def _capacity(window: int | None, context: int) -> int:
-    return context if window is None else min(context, window + PREFILL_CHUNK)
 
 
 def free_device_bytes(devices: list[str], memory: HostMemory) -> list[int]:
@@ -213,84 +200,42 @@ def _auto_boundaries(mb: _ModelBytes, devices: list[str], reserve: int, free: li
 # --- running a split in one process ---------------------------------------------
 
 
-def tensor_device(name: str, stages: list[StagePlan]) -> torch.device:
-    """Where a GGUF tensor is loaded: its layer's stage; token embeddings on
-    the first stage; everything else (final norm, output head) on the last."""
-    if name.startswith("blk."):
-        layer = int(name.split(".")[1])
-        return torch.device(next(s.device for s in stages if layer in s.layers))
-    return torch.device(stages[0].device if name.startswith("token_embd") else stages[-1].device)
-
-
-class _Handoff(nn.Module):
-    """A layer on its stage's device: moves the hidden state (and positions)
-    there first. The wrapped layer is unchanged."""
-
-    def __init__(self, block: nn.Module, device: torch.device):
-        super().__init__()
-        self.block = block.to(device)
-        self.device = device
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        return self.block(x.to(self.device), positions.to(self.device), cache)
-
-
-class _SplitEmbedding(nn.Module):
-    """Token lookup on the first stage, output head on the last (a copy of a
-    tied table when the two are on different devices)."""
-
-    def __init__(self, embedding: nn.Module, first: torch.device, last: torch.device):
-        super().__init__()
-        self.lookup = embedding.to(first)
-        self.head = self.lookup if first == last else copy.deepcopy(embedding).to(last)
-        self.first = first
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lookup(tokens.to(self.first))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(x)
-
-
 class Pipeline(nn.Module):
-    """A plain model run as stages on several devices of one process.
+    """A model run as stages on several devices of one process, through the
+    model interface: the embedding on the first stage, each layer on its
+    stage's device (the hidden state handed over at each boundary), the
+    head on the last. The loader placed every tensor (``loader.Placement``);
+    the layers are moved here only for their buffers (RoPE tables).
 
-    The split is applied from outside: the model's layers are wrapped so the
-    hidden state moves to the next stage's device at each boundary; its
-    forward is unchanged. Invariant: layer ``i``'s weights and KV store live
-    on ``layer_devices[i]``; embeddings on the first stage, the final norm
-    and output head on the last."""
+    Invariant: layer ``i``'s weights and KV store live on ``layer_devices[i]``."""
 
-    def __init__(self, model: nn.Module, stages: list[StagePlan]):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        devices = [torch.device(s.device) for s in stages]
-        self.stages = stages
-        self.layer_devices = [torch.device(s.device) for s in stages for _ in s.layers]
+        self.model = model
+        self.placement = model.placement
+        self.layer_devices = self.placement.layer_devices
         if len(self.layer_devices) != len(model.layers):
             raise SplitError(f"the plan covers {len(self.layer_devices)} layers; the model has {len(model.layers)}")
-        self._windows = model.attention_windows()  # read before the layers are wrapped
-        model.embedding = _SplitEmbedding(model.embedding, devices[0], devices[-1])
-        model.embed_scale = model.embed_scale.to(devices[0])
-        model.layers = nn.ModuleList(_Handoff(b, d) for b, d in zip(model.layers, self.layer_devices))
-        model.norm = model.norm.to(devices[-1])
-        self.model = model
-        self.args = model.args
+        for layer, device in zip(model.layers, self.layer_devices):
+            layer.to(device)
 
     def forward(self, tokens, positions, cache, last_only: bool = False) -> torch.Tensor:
-        return self.model(tokens, positions, cache, last_only=last_only)
+        x = self.model.embed(tokens.to(self.device))
+        for layer, device in zip(self.model.layers, self.layer_devices):
+            x = layer(x.to(device), positions.to(device), cache)
+        return finish(self.model, x.to(self.placement.last), cache, last_only)
+
+    @property
+    def backends(self):
+        return self.model.backends
 
     @property
     def device(self) -> torch.device:
         """Where token ids are made (the first stage); logits come from the last."""
-        return self.layer_devices[0]
+        return self.placement.first
 
-    def attention_windows(self) -> list[int | None]:
-        return list(self._windows)
+    def state_spec(self):
+        return self.model.state_spec()
 
-    def new_cache(self, max_tokens: int, kv: str = "f16"):
-        from .kv_cache import KVCache
-
-        a = self.args
-        stages = [i for i, s in enumerate(self.stages) for _ in s.layers]
-        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, list(self.layer_devices),
-                       layer_stages=stages)
+    def new_cache(self, max_tokens: int, kv: str) -> KVCache:
+        return self.model.new_cache(max_tokens, kv)

@@ -48,15 +48,19 @@ def nudged(engine, seed: int, relative: float = 1e-6) -> Iterator[None]:
     notice, which redraws where a quantized cache's rounding lands."""
     generator = torch.Generator().manual_seed(seed)
 
-    def nudge(module, args, output):
+    model = engine.model  # one device: the model itself
+    embed = model.embed
+
+    def nudged_embed(tokens: torch.Tensor) -> torch.Tensor:
+        output = embed(tokens)
         noise = torch.randn(output.shape, generator=generator).to(output.device, output.dtype)
         return output * (1 + relative * noise)
 
-    handle = engine.model.embedding.register_forward_hook(nudge)
+    model.embed = nudged_embed  # the instance attribute shadows the method until removed
     try:
         yield
     finally:
-        handle.remove()
+        del model.embed
 
 
 def logits_of(engine, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -303,7 +303,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
     import torch
 
-    from strata_runtime.kv_cache import f16_storage_dtype, format_bytes_per_token
+    from strata_runtime.kv_cache import f16_storage_dtype
+    from strata_runtime.loader import open_model
+    from strata_runtime.state import kv_bytes, kv_bytes_per_token
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
     gguf = GGUFFile.open(path)
@@ -327,11 +329,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     float_bytes = torch.finfo(storage).bits // 8
     print(f"KV cache for a context of {context} tokens (all layers, scales included; f16 stored as "
           f"{str(storage).removeprefix('torch.')} with --dtype {args.dtype} on {args.device}):")
-    f16 = format_bytes_per_token("f16", c.block_count, c.head_count_kv, c.key_length, float_bytes)
+    spec = open_model(gguf).state_spec  # what each layer keeps, as the model declares it
+    rings = any(layer.window is not None for layer in spec)
+    f16 = kv_bytes_per_token(spec, "f16", float_bytes)
     for fmt in ("f16", "int8", "k8v4"):
-        per_token = format_bytes_per_token(fmt, c.block_count, c.head_count_kv, c.key_length, float_bytes)
+        per_token = kv_bytes_per_token(spec, fmt, float_bytes)
+        stored = f"; stored: {kv_bytes(spec, context, fmt, float_bytes) / MiB:.1f} MiB (sliding layers keep a ring)"
         print(f"  {fmt:<5} {per_token:>7} bytes per token ({per_token / f16:.3f}x f16), "
-              f"{per_token * context / MiB:.1f} MiB")
+              f"{per_token * context / MiB:.1f} MiB{stored if rings else ''}")
     if args.devices or args.layer_split:
         _print_split(gguf, args, context)
     return 0

@@ -7,15 +7,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &strata_cpu::gemv, "x @ W_i.T for GGUF blocks W_i and 1..8 rows of x, in one pass",
         py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("K"));
   m.def("dequantize", &strata_cpu::dequantize, "GGUF blocks into a dense float32 or bfloat16 tensor");
-  m.def("rms_norm", &strata_cpu::rms_norm, "RMSNorm, optionally then RoPE and a residual add", py::arg("x"),
+  m.def("rms_norm", &strata_cpu::rms_norm, "RMSNorm (none without a weight), optionally then RoPE and a residual add", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), py::arg("cos") = py::none(),
         py::arg("sin") = py::none());
   m.def("attention_decode", &strata_cpu::attention_decode,
         "one query's attention over a float32 or bfloat16 K/V ring, after writing its own key and value",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("position"), py::arg("window"), py::arg("scale"),
         py::arg("new_k") = py::none(), py::arg("new_v") = py::none());
-  m.def("gelu_tanh_mul", &strata_cpu::gelu_tanh_mul, "gelu_tanh(gate) * up, in float32 inside",
-        py::arg("gate"), py::arg("up"));
+  m.def("gated_mul", &strata_cpu::gated_mul, "act(gate) * up (act 0: gelu_tanh, 1: silu), in float32 inside",
+        py::arg("gate"), py::arg("up"), py::arg("act"));
   m.attr("max_m") = strata_cpu::kMaxM;
   m.attr("simd") = strata_cpu::kSimd;  // the Lanes the kernels were built with
   m.attr("bf16_dot") = strata_cpu::kBf16DotBuilt;

@@ -17,11 +17,12 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
 void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor out);
 
 // decode_cpu.cpp: the small operations of a decode step.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual,
-                       std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin);
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> weight, double eps,
+                       std::optional<torch::Tensor> residual, std::optional<torch::Tensor> cos,
+                       std::optional<torch::Tensor> sin);
 torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t position,
                                std::optional<int64_t> window, double scale, std::optional<torch::Tensor> new_k,
                                std::optional<torch::Tensor> new_v);
-torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up);
+torch::Tensor gated_mul(torch::Tensor gate, torch::Tensor up, int64_t act);
 
 }  // namespace strata_cpu

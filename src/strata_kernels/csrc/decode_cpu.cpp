@@ -2,16 +2,18 @@
 // torch's dispatch of the five to ten ops each is made of costs more than
 // their arithmetic (an RMSNorm of 640 values took 25 us as torch ops).
 //
-//   rms_norm(x [..., D] float32|bfloat16, weight [D] float32, eps,
+//   rms_norm(x [..., D] float32|bfloat16, weight? [D] float32, eps,
 //            residual?, cos?, sin?) -> [..., D] in x's dtype
-//       y = x / sqrt(mean(x^2) + eps) * weight                 (per row of D)
+//       y = x / sqrt(mean(x^2) + eps) * weight                 (per row of D;
+//       without a weight, y = x: the rotation alone, Llama's queries and keys)
 //       then, with cos/sin ([T, 1, D] float32, x [T, H, D]), the NEOX rotary
 //       embedding of y at row t: y1*cos - y2*sin, y2*cos + y1*sin (halves);
 //       then, with residual (x's shape and dtype), residual + y.
 //       Computed in float32 and rounded to x's dtype once.
 //
-//   gelu_tanh_mul(gate, up [...] float32|bfloat16, one dtype) -> gate's shape and dtype
-//       gelu_tanh(gate) * up, the gated MLP's middle, in float32 and rounded once.
+//   gated_mul(gate, up [...] float32|bfloat16, one dtype, act) -> gate's shape and dtype
+//       act(gate) * up, the gated MLP's middle (act 0: gelu_tanh, Gemma;
+//       1: silu, Llama and Qwen), in float32 and rounded once.
 //
 //   attention_decode(q [H, D] float32, k, v [capacity, Hkv, D] float32|bfloat16,
 //                    position, window?, scale, new_k?, new_v?) -> [H, D] float32
@@ -68,8 +70,12 @@ void rms_norm_rows(const V* x, const float* weight, float eps, const V* residual
   const int64_t half = D / 2;
   for (int64_t r = r0; r < r1; ++r) {
     load_row(x + r * D, row.data(), D);
-    const float inv_rms = 1.0f / std::sqrt(sum_of_squares(row.data(), D) / float(D) + eps);
-    for (int64_t i = 0; i < D; ++i) y[i] = row[i] * inv_rms * weight[i];
+    if (weight != nullptr) {
+      const float inv_rms = 1.0f / std::sqrt(sum_of_squares(row.data(), D) / float(D) + eps);
+      for (int64_t i = 0; i < D; ++i) y[i] = row[i] * inv_rms * weight[i];
+    } else {
+      std::copy(row.begin(), row.end(), y.begin());
+    }
     if (cos != nullptr) {
       const float* c = cos + (r / heads) * D;
       const float* s = sin + (r / heads) * D;
@@ -89,15 +95,19 @@ void rms_norm_rows(const V* x, const float* weight, float eps, const V* residual
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::optional<torch::Tensor> residual,
-                       std::optional<torch::Tensor> cos, std::optional<torch::Tensor> sin) {
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> weight, double eps,
+                       std::optional<torch::Tensor> residual, std::optional<torch::Tensor> cos,
+                       std::optional<torch::Tensor> sin) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "x must be contiguous");
   const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 && weight.size(0) == D &&
-                  weight.is_contiguous(),
-              "weight must be float32 [", D, "]");
+  if (weight) {
+    TORCH_CHECK(weight->scalar_type() == torch::kFloat32 && weight->dim() == 1 && weight->size(0) == D &&
+                    weight->is_contiguous(),
+                "weight must be float32 [", D, "]");
+  }
+  const float* w = weight ? weight->data_ptr<float>() : nullptr;
   if (residual) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                     residual->is_contiguous(),
@@ -121,13 +131,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, std::o
   AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
     AT_DISPATCH_CASE(torch::kFloat32, [&] {
       at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-        rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), float(eps),
+        rms_norm_rows(x.data_ptr<float>(), w, float(eps),
                       residual ? residual->data_ptr<float>() : nullptr, c, s, heads, out.data_ptr<float>(), D, r0, r1);
       });
     })
     AT_DISPATCH_CASE(torch::kBFloat16, [&] {
       at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-        rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<float>(), float(eps),
+        rms_norm_rows(x.data_ptr<c10::BFloat16>(), w, float(eps),
                       residual ? residual->data_ptr<c10::BFloat16>() : nullptr, c, s, heads,
                       out.data_ptr<c10::BFloat16>(), D, r0, r1);
       });
@@ -304,15 +314,17 @@ namespace {
 // gelu_tanh(g) * u = g * (1 - 1 / (e + 1)) * u with e = exp(2 sqrt(2/pi) (g + 0.044715 g^3)):
 // 0.5 g (1 + tanh(y)) with tanh(y) = 1 - 2 / (exp(2y) + 1), which stays finite
 // at both ends (e = inf gives g, e = 0 gives 0).
+// silu(g) * u = g * (1 - 1 / (e + 1)) * u with e = exp(g): g / (1 + exp(-g))
+// written the same finite way. Both activations are g * sigmoid(a g + b g^3).
 template <class V>
-void gelu_tanh_mul_range(const V* gate, const V* up, V* out, int64_t i0, int64_t i1) {
+void gated_mul_range(const V* gate, const V* up, V* out, int64_t i0, int64_t i1, bool silu) {
   constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;
   alignas(64) float g[kLanes], e[kLanes], y[kLanes];
   for (int64_t i = i0; i < i1; i += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, i1 - i);
     for (int64_t j = 0; j < n; ++j) {
       g[j] = float(gate[i + j]);
-      e[j] = kTwoSqrt2OverPi * (g[j] + 0.044715f * g[j] * g[j] * g[j]);
+      e[j] = silu ? g[j] : kTwoSqrt2OverPi * (g[j] + 0.044715f * g[j] * g[j] * g[j]);
     }
     if (n == kLanes) {
       Lanes::load(e).exp().store(e);
@@ -326,7 +338,9 @@ void gelu_tanh_mul_range(const V* gate, const V* up, V* out, int64_t i0, int64_t
 
 }  // namespace
 
-torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up) {
+torch::Tensor gated_mul(torch::Tensor gate, torch::Tensor up, int64_t act) {
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (gelu_tanh) or 1 (silu), got ", act);
+  const bool silu = act == 1;
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
                   (gate.scalar_type() == torch::kFloat32 || gate.scalar_type() == torch::kBFloat16),
               "gate and up must be float32 or bfloat16 tensors of one shape and dtype");
@@ -338,13 +352,13 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate, torch::Tensor up) {
   const int64_t grain = 16384;
   if (gate.scalar_type() == torch::kFloat32) {
     at::parallel_for(0, (n + kLanes - 1) / kLanes, grain / kLanes, [&](int64_t b0, int64_t b1) {
-      gelu_tanh_mul_range(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), b0 * kLanes,
-                          std::min(n, b1 * kLanes));
+      gated_mul_range(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), b0 * kLanes,
+                      std::min(n, b1 * kLanes), silu);
     });
   } else {
     at::parallel_for(0, (n + kLanes - 1) / kLanes, grain / kLanes, [&](int64_t b0, int64_t b1) {
-      gelu_tanh_mul_range(gate.data_ptr<c10::BFloat16>(), up.data_ptr<c10::BFloat16>(),
-                          out.data_ptr<c10::BFloat16>(), b0 * kLanes, std::min(n, b1 * kLanes));
+      gated_mul_range(gate.data_ptr<c10::BFloat16>(), up.data_ptr<c10::BFloat16>(),
+                      out.data_ptr<c10::BFloat16>(), b0 * kLanes, std::min(n, b1 * kLanes), silu);
     });
   }
   return out;

@@ -1,12 +1,13 @@
-"""One module per architecture; the loader picks it from ``general.architecture``."""
+"""One module per architecture; the loader picks it from ``general.architecture``.
+
+Each module offers ``ModelArgs`` (``from_config(config, vocab_size)``, and
+``state_spec()``: the state each layer keeps) and ``Model(args, weights)``,
+a ``decoder.DecoderModel`` (the model interface).
+"""
 
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Callable
-
-import torch
-from tqdm.auto import tqdm
 
 from ..errors import ModelFileError
 
@@ -22,19 +23,3 @@ def model_module(architecture: str, path=None):
             f"{where}architecture {architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     return import_module(f"{__name__}.{name}")
-
-
-def build_model(gguf, module, args, dtype: torch.dtype, place: Callable[[str], torch.device | str],
-                progress: bool, desc: str):
-    """``module.Model`` over ``gguf``'s tensors, each read onto ``place(name)``
-    (a device, or ``"meta"`` for a tensor another process holds), with a
-    progress bar."""
-    names = gguf.tensor_names()
-    with tqdm(total=len(names), desc=desc, unit="tensor", disable=not progress) as bar:
-
-        def weights(name: str):
-            bar.update(1)
-            return gguf.tensor(name).to(place(name))
-
-        with torch.inference_mode():
-            return module.Model(args, weights, dtype)

@@ -1,14 +1,27 @@
-"""What every decoder-only architecture shares: embed, the blocks, the final
-norm and the head, over one KV cache.
+"""The model interface, and what every decoder-only architecture shares.
 
-A model file subclasses ``DecoderModel`` and sets, in its constructor:
-``args`` (its ``ModelArgs``), ``embedding`` (a ``TiedEmbedding``: the token
-table), ``embed_scale`` (a buffer the embeddings are multiplied by),
-``layers`` (blocks with ``forward(x, positions, cache)`` and an ``attn`` that
-has ``window`` and ``attention_backend``), ``norm`` and ``output`` (the
-output projection, a ``TiedEmbedding`` over ``output.weight``, or None when
-the head is tied to the token table). The layer-split pipelines read those
-names; ``head`` is whichever scores the tokens.
+Everything outside ``models/`` (the engine, the layer-split pipelines in one
+process and across ranks, the KV cache, the conversation cache, the planner,
+``strata info``) uses a model through this interface only:
+
+- ``embed(tokens)``: hidden states ``[T, hidden]`` for token ids ``[T]``
+  (on the token table's device, ``device``);
+- ``layers``: a ``ModuleList``; ``layers[i](x, positions, cache)`` runs
+  layer ``i`` over hidden states ``x`` at consecutive ``positions``,
+  reading and writing its state in ``cache``;
+- ``head(x)``: float32 logits ``[T, vocab]`` (the final norm, then the
+  output projection, tied to the token table or not; on the last stage);
+- ``state_spec()``: per layer, the state it keeps (``state.LayerState``);
+  the same list ``ModelArgs.state_spec()`` gives before any weight is read;
+- ``hidden_size``, ``vocab_size``;
+- ``new_cache(max_tokens, kv)``: that state's storage, reserved once, on
+  the loader's placement.
+
+A model file subclasses ``DecoderModel``: its ``ModelArgs`` extends
+``DecoderArgs`` (overriding ``window`` for sliding layers) and its
+constructor, given ``(args, weights)`` (a ``loader.Weights``), sets
+``args``, ``embedding`` (``embedding_table``), ``layers``, ``norm`` and
+``output`` (``output_head``).
 """
 
 from __future__ import annotations
@@ -20,7 +33,10 @@ import torch
 from torch import nn
 
 from ..gguf_file import ModelConfig
-from ..kv_cache import KVCache, f16_storage_dtype
+from ..kv_cache import KVCache
+from ..layers import TiedEmbedding
+from ..placement import EMBEDDING
+from ..state import AttentionState, LayerState
 
 
 @dataclass(frozen=True)
@@ -47,41 +63,81 @@ class DecoderArgs:
                     ffn_dim=config.feed_forward_length, rms_eps=config.rms_norm_eps,
                     rope_base=config.rope_freq_base, attention_scale=1.0 / math.sqrt(config.key_length))
 
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None for full attention."""
+        return None
+
+    def state_spec(self) -> list[LayerState]:
+        return [AttentionState(self.n_kv_heads, self.head_dim, self.window(i)) for i in range(self.n_layers)]
+
+
+def embedding_table(weights) -> TiedEmbedding:
+    """The token table, on the first stage."""
+    return TiedEmbedding(weights(EMBEDDING), weights.backend(EMBEDDING))
+
+
+def output_head(weights, embedding: TiedEmbedding) -> TiedEmbedding:
+    """``output.weight``, or the token table when the file ties the head to
+    it: ``embedding`` itself where the head shares its device (one copy),
+    else the table read again onto the last stage."""
+    if weights.has("output.weight"):
+        return TiedEmbedding(weights("output.weight", head=True), weights.backend("output.weight", head=True))
+    if weights.placement.device_of(EMBEDDING, head=True) == weights.placement.device_of(EMBEDDING):
+        return embedding
+    return TiedEmbedding(weights(EMBEDDING, head=True), weights.backend(EMBEDDING, head=True))
+
 
 class DecoderModel(nn.Module):
     """``forward(tokens, positions, cache)``: tokens ``[T]`` at consecutive
-    ``positions`` starting at ``cache.length``; returns float32 logits
-    ``[T, vocab]`` (or ``[1, vocab]`` for the last position when ``last_only``)."""
+    ``positions`` starting at ``cache.length``, every layer on one device;
+    returns float32 logits ``[T, vocab]`` (or ``[1, vocab]`` for the last
+    position when ``last_only``). A split runs the same interface from
+    outside (``pipeline.Pipeline``, ``ranks``)."""
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                last_only: bool = False) -> torch.Tensor:
-        x = self.embedding(tokens) * self.embed_scale
-        for block in self.layers:
-            x = block(x, positions, cache)
-        cache.advance(tokens.shape[0])
-        if last_only:
-            x = x[-1:]
-        return self.head.logits(self.norm(x))
+    embed_scale: float = 1.0  # the embeddings are multiplied by this (Gemma: sqrt(hidden))
+    # Set by the loader: where each tensor lives, and the activations' dtype.
+    placement = None
+    activations: torch.dtype = torch.float32
+    backends: list = []  # one per device this process holds a part on
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output.logits(self.norm(x))
+
+    def state_spec(self) -> list[LayerState]:
+        return self.args.state_spec()
 
     @property
-    def head(self) -> nn.Module:
-        """The output projection: ``output``, or the token table when tied (a
-        split replaces ``embedding``, and a tied head goes with it)."""
-        return self.embedding if self.output is None else self.output
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device
+        """Where token ids go in (the token table's device)."""
+        return self.embedding.device
 
-    def attention_windows(self) -> list[int | None]:
-        """Per layer: the sliding window, or None for full attention."""
-        return [block.attn.window for block in self.layers]
+    def new_cache(self, max_tokens: int, kv: str) -> KVCache:
+        """An empty cache for ``max_tokens`` positions in KV format ``kv``,
+        laid out by ``state_spec()`` on the loader's placement."""
+        return KVCache.for_placement(kv, self.state_spec(), self.placement, max_tokens, self.activations)
 
-    def new_cache(self, max_tokens: int, kv: str = "f16") -> KVCache:
-        a = self.args
-        # The CPU fast path's keys and values are bfloat16 values already (the
-        # planner counts the same storage: f16_storage_dtype is the one rule).
-        fast = self.layers[0].attn.attention_backend == "cpu"
-        storage = f16_storage_dtype(self.device, torch.bfloat16 if fast else torch.float32)
-        return KVCache(kv, self.attention_windows(), a.n_kv_heads, a.head_dim, max_tokens, self.device,
-                       float_dtype=storage)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                last_only: bool = False) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions, cache)
+        return finish(self, x, cache, last_only)
+
+
+def finish(model, x: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+    """After the last layer: the cache now holds the step's positions; the
+    logits of every position, or of the last."""
+    cache.advance(x.shape[0])
+    return model.head(x[-1:] if last_only else x)

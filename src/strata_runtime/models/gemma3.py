@@ -16,9 +16,9 @@ from torch import nn
 
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import (GatedMLP, Linear, RMSNorm, RopeCache, TiedEmbedding, gelu_tanh_mul, linears,
-                      rope_inverse_frequencies)
-from .decoder import DecoderArgs, DecoderModel
+from ..backend import Backend
+from ..layers import GatedMLP, Linear, RMSNorm, RopeCache, gelu_tanh_mul, linears, rope_inverse_frequencies
+from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 
 
 @dataclass(frozen=True)
@@ -46,30 +46,31 @@ class ModelArgs(DecoderArgs):
     def is_sliding(self, layer: int) -> bool:
         return (layer + 1) % self.sliding_window_pattern != 0
 
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.is_sliding(layer) else None
+
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache):
+    def __init__(self, args: ModelArgs, layer: int, w, backend: Backend, rope: RopeCache):
         super().__init__()
         p = f"blk.{layer}."
         self.layer = layer
         self.args = args
         self.rope = rope
-        self.q_proj = Linear(w(p + "attn_q.weight"), dtype)
-        self.k_proj = Linear(w(p + "attn_k.weight"), dtype)
-        self.v_proj = Linear(w(p + "attn_v.weight"), dtype)
-        self.o_proj = Linear(w(p + "attn_output.weight"), dtype)
-        self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, dtype)
-        self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, dtype)
-        # On the CPU fast path, the cache's attention by the CPU kernels too.
-        self.attention_backend = "cpu" if self.q_norm.cpu_kernel else "auto"
+        self.q_proj = Linear(w(p + "attn_q.weight"), backend)
+        self.k_proj = Linear(w(p + "attn_k.weight"), backend)
+        self.v_proj = Linear(w(p + "attn_v.weight"), backend)
+        self.o_proj = Linear(w(p + "attn_output.weight"), backend)
+        self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, backend)
+        self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, backend)
+        self.attention_backend = backend.attention
         sliding = args.is_sliding(layer)
-        self.window = args.sliding_window if sliding else None
         inv_freq = (
             rope_inverse_frequencies(args.head_dim, args.rope_base_local)
             if sliding
             else rope_inverse_frequencies(args.head_dim, args.rope_base, args.rope_linear_scale)
         )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(backend.device), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a = self.args
@@ -85,15 +86,16 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, w, dtype: torch.dtype, rope: RopeCache):
+    def __init__(self, args: ModelArgs, layer: int, w, rope: RopeCache):
         super().__init__()
         p = f"blk.{layer}."
-        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, dtype)
-        self.attn = Attention(args, layer, w, dtype, rope)
-        self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps, dtype)
-        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, dtype)
-        self.mlp = GatedMLP(layer, w, dtype, gelu_tanh_mul)
-        self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps, dtype)
+        backend = w.layer_backend(layer)
+        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, backend)
+        self.attn = Attention(args, layer, w, backend, rope)
+        self.post_attn_norm = RMSNorm(w(p + "post_attention_norm.weight"), args.rms_eps, backend)
+        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, backend)
+        self.mlp = GatedMLP(layer, w, backend, gelu_tanh_mul)
+        self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps, backend)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         x = self.post_attn_norm(self.attn(self.attn_norm(x), positions, cache), residual=x)
@@ -101,14 +103,14 @@ class Block(nn.Module):
 
 
 class Model(DecoderModel):
-    def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32):
+    def __init__(self, args: ModelArgs, weights):
         super().__init__()
         self.args = args
-        self.embedding = TiedEmbedding(weights("token_embd.weight"), dtype)
-        self.register_buffer("embed_scale", torch.tensor(math.sqrt(args.hidden_size), dtype=dtype), persistent=False)
+        self.embedding = embedding_table(weights)
+        # sqrt(hidden) as the activations hold it (Gemma's checkpoints round it to their dtype).
+        self.embed_scale = float(torch.tensor(math.sqrt(args.hidden_size), dtype=weights.activations))
         # One table cache for the sliding layers, one for the global ones.
         ropes = {True: RopeCache(), False: RopeCache()}
-        self.layers = nn.ModuleList(Block(args, i, weights, dtype, ropes[args.is_sliding(i)])
-                                    for i in range(args.n_layers))
-        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
-        self.output = None  # tied to the token table
+        self.layers = nn.ModuleList(Block(args, i, weights, ropes[args.is_sliding(i)]) for i in range(args.n_layers))
+        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, weights.backend("output_norm.weight"))
+        self.output = output_head(weights, self.embedding)

@@ -21,20 +21,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from strata_kernels import QuantTensor, dequantize
+from strata_kernels import QuantTensor, cpu_kernels, dequantize
 
 from ..errors import ModelFileError
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
-from ..layers import (GatedMLP, Linear, RMSNorm, RopeCache, TiedEmbedding, apply_rope, linears,
-                      rope_inverse_frequencies, silu_mul)
-from .decoder import DecoderArgs, DecoderModel
+from ..backend import Backend
+from ..layers import GatedMLP, Linear, RMSNorm, RopeCache, apply_rope, linears, rope_inverse_frequencies, silu_mul
+from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 
 
 @dataclass(frozen=True)
 class ModelArgs(DecoderArgs):
     rope_linear_scale: float
-    sliding_window: int | None = None  # no sliding layers (read by the split planner)
 
     @classmethod
     def from_config(cls, config: ModelConfig, vocab_size: int) -> "ModelArgs":
@@ -48,9 +47,6 @@ class ModelArgs(DecoderArgs):
             raise ModelFileError(f"{config.architecture}: partial rotary embeddings ({rotary} of {config.key_length} "
                                  f"dimensions) are not supported for this architecture")
         return cls(**DecoderArgs.common(config, vocab_size), rope_linear_scale=factor if scaling == "linear" else 1.0)
-
-    def is_sliding(self, layer: int) -> bool:
-        return False
 
 
 @dataclass(frozen=True)
@@ -72,8 +68,8 @@ def unpermute_rotary_rows(weight: QuantTensor, heads: int) -> QuantTensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, variant: Variant, layer: int, w, dtype: torch.dtype, rope: RopeCache,
-                 inv_freq: torch.Tensor, cpu_kernels: bool):
+    def __init__(self, args: ModelArgs, variant: Variant, layer: int, w, backend: Backend, rope: RopeCache,
+                 inv_freq: torch.Tensor):
         super().__init__()
         p = f"blk.{layer}."
         self.layer = layer
@@ -83,18 +79,17 @@ class Attention(nn.Module):
         if variant.permuted_rotary:
             q, k = unpermute_rotary_rows(q, args.n_heads), unpermute_rotary_rows(k, args.n_kv_heads)
         bias = (lambda name: w(p + name)) if variant.qkv_bias else (lambda name: None)
-        self.q_proj = Linear(q, dtype, bias("attn_q.bias"))
-        self.k_proj = Linear(k, dtype, bias("attn_k.bias"))
-        self.v_proj = Linear(w(p + "attn_v.weight"), dtype, bias("attn_v.bias"))
-        self.o_proj = Linear(w(p + "attn_output.weight"), dtype)
+        self.q_proj = Linear(q, backend, bias("attn_q.bias"))
+        self.k_proj = Linear(k, backend, bias("attn_k.bias"))
+        self.v_proj = Linear(w(p + "attn_v.weight"), backend, bias("attn_v.bias"))
+        self.o_proj = Linear(w(p + "attn_output.weight"), backend)
         self.q_norm = self.k_norm = None
         if variant.qk_norm:
-            self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, dtype)
-            self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, dtype)
-        self.window = None
-        # On the CPU fast path, the cache's attention by the CPU kernels too.
-        self.attention_backend = "cpu" if cpu_kernels else "auto"
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, backend)
+            self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, backend)
+        self.attention_backend = backend.attention
+        self.cpu_kernels = backend.cpu_kernels
+        self.register_buffer("inv_freq", inv_freq.to(backend.device), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a = self.args
@@ -104,6 +99,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # the norm and the rotation in one call (one kernel on the CPU fast path)
             rope = self.rope.tables(positions, self.inv_freq, torch.float32 if self.q_norm.cpu_kernel else q.dtype)
             q, k = self.q_norm(q, rope=rope), self.k_norm(k, rope=rope)
+        elif self.cpu_kernels:  # the rotation in float32, rounded once: one kernel call each
+            cos, sin = self.rope.tables(positions, self.inv_freq, torch.float32)
+            q, k = cpu_kernels.rope(q, cos, sin), cpu_kernels.rope(k, cos, sin)
         else:  # the rotation in float32, whatever the activations
             cos, sin = self.rope.tables(positions, self.inv_freq, torch.float32)
             q = apply_rope(q.float(), cos, sin).to(x.dtype)
@@ -114,14 +112,14 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, variant: Variant, layer: int, w, dtype: torch.dtype, rope: RopeCache,
-                 inv_freq: torch.Tensor):
+    def __init__(self, args: ModelArgs, variant: Variant, layer: int, w, rope: RopeCache, inv_freq: torch.Tensor):
         super().__init__()
         p = f"blk.{layer}."
-        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, dtype)
-        self.attn = Attention(args, variant, layer, w, dtype, rope, inv_freq, self.attn_norm.cpu_kernel)
-        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, dtype)
-        self.mlp = GatedMLP(layer, w, dtype, silu_mul)
+        backend = w.layer_backend(layer)
+        self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, backend)
+        self.attn = Attention(args, variant, layer, w, backend, rope, inv_freq)
+        self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, backend)
+        self.mlp = GatedMLP(layer, w, backend, silu_mul)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, cache).to(x.dtype)
@@ -131,25 +129,15 @@ class Block(nn.Module):
 class Model(DecoderModel):
     variant = Variant()
 
-    def __init__(self, args: ModelArgs, weights, dtype: torch.dtype = torch.float32):
+    def __init__(self, args: ModelArgs, weights):
         super().__init__()
         self.args = args
-        self.embedding = TiedEmbedding(weights("token_embd.weight"), dtype)
-        self.register_buffer("embed_scale", torch.tensor(1.0, dtype=dtype), persistent=False)
+        self.embedding = embedding_table(weights)
         inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_base, args.rope_linear_scale)
-        factors = _optional(weights, "rope_freqs.weight")  # llama3's per-frequency scaling
-        if factors is not None:
-            inv_freq = inv_freq / dequantize(factors).reshape(-1).cpu()
+        if weights.has("rope_freqs.weight"):  # llama3's per-frequency scaling, read by every stage
+            inv_freq = inv_freq / dequantize(weights.on_host("rope_freqs.weight")).reshape(-1)
         rope = RopeCache()
-        self.layers = nn.ModuleList(Block(args, self.variant, i, weights, dtype, rope, inv_freq)
+        self.layers = nn.ModuleList(Block(args, self.variant, i, weights, rope, inv_freq)
                                     for i in range(args.n_layers))
-        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, dtype)
-        output = _optional(weights, "output.weight")
-        self.output = None if output is None else TiedEmbedding(output, dtype)
-
-
-def _optional(weights, name: str):
-    try:
-        return weights(name)
-    except ModelFileError:
-        return None
+        self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, weights.backend("output_norm.weight"))
+        self.output = output_head(weights, self.embedding)

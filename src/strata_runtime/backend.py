@@ -1,0 +1,73 @@
+"""The ``Backend``: how one device runs its part of a model, chosen once at
+load and handed to every layer placed there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata_kernels import QuantTensor, cpu_kernels
+from strata_kernels.formats import FLOAT_TYPES
+
+KERNELS = ("torch", "cpu", "triton", "meta")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One device's choices.
+
+    ``kernels``:
+    - ``"torch"``: weights dequantized once at load, torch ops (float32: the
+      exact path; also bfloat16 on a CPU where the kernels could not build);
+    - ``"cpu"``: GGUF blocks read by the compiled CPU kernels, bfloat16
+      activations, norms, RoPE, gated activations and attention fused there;
+    - ``"triton"``: GGUF blocks read by the Triton kernels on a GPU;
+    - ``"meta"``: weights another process of a split holds (shapes only).
+
+    Invariant: ``"cpu"`` only on the CPU with bfloat16 activations and the
+    kernels built; ``"triton"`` only on CUDA.
+    """
+
+    device: torch.device
+    activations: torch.dtype
+    kernels: str
+
+    @classmethod
+    def choose(cls, device: torch.device | str, activations: torch.dtype) -> "Backend":
+        """The one place the kernels are decided (the CPU kernels build on
+        first use; a failed build was logged, and the torch ops serve)."""
+        device = torch.device(device)
+        if device.type == "meta":
+            kernels = "meta"
+        elif device.type == "cuda":
+            kernels = "triton"
+        elif activations == torch.bfloat16 and cpu_kernels.available():
+            kernels = "cpu"
+        else:
+            kernels = "torch"
+        return cls(device, activations, kernels)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        return self.kernels == "cpu"
+
+    @property
+    def attention(self) -> str:
+        """``strata_kernels.attention``'s backend for this device's KV cache."""
+        return "cpu" if self.cpu_kernels else "auto"
+
+    def keeps_blocks(self, weight: QuantTensor) -> bool:
+        """Whether a layer keeps ``weight`` as GGUF blocks rather than a dense
+        copy: where kernels read the type (Triton: every block type; the CPU
+        kernels: the types they support), and always on meta (no bytes)."""
+        if self.kernels == "meta":
+            return True
+        if self.kernels == "triton":
+            return weight.qtype not in FLOAT_TYPES
+        return self.cpu_kernels and cpu_kernels.supports(weight)
+
+    def describe(self) -> str:
+        names = {"torch": "torch ops on dense weights", "cpu": "compiled CPU kernels on GGUF blocks",
+                 "triton": "Triton kernels on GGUF blocks", "meta": "held by another process"}
+        return f"{self.device} {str(self.activations).removeprefix('torch.')}: {names[self.kernels]}"

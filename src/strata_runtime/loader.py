@@ -1,0 +1,117 @@
+"""The one way a model is built, in one pass: open the file, pick the
+architecture module, place every tensor, choose each device's backend,
+build the model.
+
+``engine.load`` (one device, or a split in this process) and the ranks of a
+split across processes (``ranks.join_stage``) both come through here; only
+their ``Placement`` differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from tqdm.auto import tqdm
+
+from strata_kernels import QuantTensor
+
+from .backend import Backend
+from .gguf_file import GGUFFile
+from .models import model_module
+from .placement import EMBEDDING, Placement
+
+# float32: the exact path. bfloat16: the fast path (bf16 activations, weights
+# kept as GGUF blocks for the compiled CPU kernels; its error against float32
+# is measured in tests/test_fast_path.py).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+@dataclass(frozen=True)
+class OpenedModel:
+    """A GGUF file and what its metadata says: the architecture's module and
+    its ``ModelArgs`` (no tensor read yet)."""
+
+    gguf: GGUFFile
+    module: ModuleType
+    args: object
+
+    @property
+    def state_spec(self):
+        return self.args.state_spec()
+
+
+def open_model(path_or_file: str | Path | GGUFFile) -> OpenedModel:
+    gguf = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile.open(path_or_file)
+    module = model_module(gguf.architecture, gguf.path)
+    return OpenedModel(gguf, module, module.ModelArgs.from_config(gguf.config, vocab_size(gguf)))
+
+
+def vocab_size(gguf: GGUFFile) -> int:
+    """The number of rows of the token table: the logits' width (the one rule)."""
+    return next(t.shape[0] for t in gguf.tensor_infos() if t.name == EMBEDDING)
+
+
+class Weights:
+    """What a model file reads its tensors through.
+
+    ``weights(name)`` is the tensor on its placed device; ``weights(name,
+    head=True)`` the same tensor read as the output head (a tied token
+    table: on the last stage, the very same ``QuantTensor`` when that is
+    the embedding's device). ``backend(name)`` is the ``Backend`` of the
+    device ``name`` is placed on, chosen once per device.
+    """
+
+    def __init__(self, gguf: GGUFFile, placement: Placement, activations: torch.dtype, bar=None):
+        self.gguf = gguf
+        self.placement = placement
+        self.activations = activations
+        self._names = set(gguf.tensor_names())
+        self._loaded: dict[tuple[str, torch.device], QuantTensor] = {}
+        self._backends: dict[torch.device, Backend] = {}
+        self._bar = bar
+
+    def __call__(self, name: str, head: bool = False) -> QuantTensor:
+        device = self.placement.device_of(name, head)
+        key = (name, device)
+        if key not in self._loaded:
+            if self._bar is not None:
+                self._bar.update(1)
+            self._loaded[key] = self.gguf.tensor(name).to(device)
+        return self._loaded[key]
+
+    def on_host(self, name: str) -> QuantTensor:
+        """``name`` read on the CPU, whatever the placement: a small tensor
+        every stage derives constants from (llama3's ``rope_freqs``)."""
+        return self.gguf.tensor(name)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def backend(self, name: str, head: bool = False) -> Backend:
+        device = self.placement.device_of(name, head)
+        if device not in self._backends:
+            self._backends[device] = Backend.choose(device, self.activations)
+        return self._backends[device]
+
+    def backends(self) -> list[Backend]:
+        """Every backend chosen so far, one per device."""
+        return list(self._backends.values())
+
+    def layer_backend(self, layer: int) -> Backend:
+        return self.backend(f"blk.{layer}.")
+
+
+def build_model(opened: OpenedModel, placement: Placement, dtype: str, progress: bool, desc: str):
+    """``opened.module.Model`` over the file's tensors, each on its placed
+    device, with a progress bar over the tensors read."""
+    names = opened.gguf.tensor_names()
+    with tqdm(total=len(names), desc=desc, unit="tensor", disable=not progress) as bar:
+        weights = Weights(opened.gguf, placement, DTYPES[dtype], bar)
+        with torch.inference_mode():
+            model = opened.module.Model(opened.args, weights)
+    model.placement = placement
+    model.activations = DTYPES[dtype]
+    model.backends = weights.backends()
+    return model

@@ -1,0 +1,147 @@
+"""The ranks other than 0 of a split across processes: each runs its layers on command."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..kv_cache import KVCache, store_fields
+from ..models.decoder import finish
+from ..pipeline import StagePlan
+from .common import IDLE_WAIT, StageLost, first_line
+from .setup import join_stage, ready
+from .wire import Wire, as_bytes
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """A rank other than 0: its layers (and, on the last rank, the final norm
+    and output head), and a twin of each of rank 0's caches, run on command.
+
+    Invariant: ``caches[id]`` holds, for this rank's layers, the rows rank
+    0's cache ``id`` holds for them; its ``length`` is set from each
+    ``forward`` command (rank 0 owns the bookkeeping)."""
+
+    def __init__(self, model: nn.Module, stages: list[StagePlan], rank: int, wire: "Wire"):
+        self.stages = stages
+        self.rank = rank
+        self.last = rank == len(stages) - 1
+        self.device = torch.device(stages[rank].device)
+        self.model = model  # its tensors outside this rank's stage are shapes on the meta device
+        self.mine = stages[rank].layers
+        self.wire = wire
+        self.caches: dict[int, KVCache] = {}
+
+    def run(self) -> None:
+        """Serve commands until rank 0 says stop; ``StageLost`` when it is gone."""
+        with torch.inference_mode():
+            while True:
+                cmd = self.wire.recv_obj(self.rank - 1, IDLE_WAIT)
+                op = cmd["op"]
+                if op == "forward":
+                    self._forward(cmd)
+                    continue
+                if not self.last:
+                    self.wire.send_obj(cmd, self.rank + 1)
+                if op == "stop":
+                    return
+                if op == "new_cache":
+                    self.caches[cmd["id"]] = self.model.new_cache(cmd["max_tokens"], cmd["kv"])
+                elif op == "free_cache":
+                    self.caches.pop(cmd["id"], None)
+                elif op in ("read_parts", "write_parts") and cmd["stage"] == self.rank:
+                    self._parts(cmd)
+
+    def _forward(self, cmd: dict[str, Any]) -> None:
+        error = cmd.get("error")
+        x = None
+        if error is None:
+            x = self.wire.recv_tensor((cmd["tokens"], self.model.hidden_size), getattr(torch, cmd["dtype"]),
+                                      self.rank - 1)
+            try:
+                x = self._run_layers(cmd, x.to(self.device))
+            except Exception as e:  # reported to rank 0, which raises it into the request
+                log.exception("rank %d: forward failed", self.rank)
+                error = f"{type(e).__name__}: {first_line(e)}"
+        if not self.last:
+            self.wire.send_obj({**cmd, "error": error} if error else cmd, self.rank + 1)
+            if error is None:
+                self.wire.send_tensor(x, self.rank + 1)
+        elif error:
+            self.wire.send_obj({"error": error}, 0)
+        else:
+            self.wire.send_obj({"ok": True, "shape": list(x.shape)}, 0)
+            self.wire.send_tensor(x, 0)
+
+    def _run_layers(self, cmd: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        cache = self.caches[cmd["id"]]
+        start, t = cmd["start"], cmd["tokens"]
+        cache.length = start
+        positions = torch.arange(start, start + t, device=self.device)
+        for i in self.mine:
+            x = self.model.layers[i](x, positions, cache)
+        if not self.last:
+            cache.advance(t)
+            return x
+        return finish(self.model, x, cache, cmd["last_only"])
+
+    def _parts(self, cmd: dict[str, Any]) -> None:
+        """Send or receive this rank's rows of a snapshot, chunked as rank 0's pages are."""
+        try:
+            cache = self.caches[cmd["id"]]
+            rows = [(store_fields(cache.stores[layer])[name][slot:slot + n], sizes)
+                    for layer, name, slot, n, sizes in cmd["pieces"]]
+            # A GPU rank goes through host copies: gloo sends host memory.
+            host = [(r.cpu() if r.device.type != "cpu" else r, sizes) for r, sizes in rows]
+        except Exception as e:
+            self.wire.send_obj({"error": f"{type(e).__name__}: {first_line(e)}"}, 0)
+            if cmd["op"] == "write_parts":  # rank 0 sends the bytes regardless: take them
+                for _, _, _, _, sizes in cmd["pieces"]:
+                    for size in sizes:
+                        self.wire.recv_bytes(torch.empty(size, dtype=torch.uint8), 0)
+            return
+        if cmd["op"] == "read_parts":
+            self.wire.send_obj({"ok": True}, 0)
+        for (row, sizes), (target, _) in zip(host, rows):
+            flat = as_bytes(row)
+            at = 0
+            for size in sizes:
+                if cmd["op"] == "read_parts":
+                    self.wire.send_bytes(flat[at:at + size], 0)
+                else:
+                    self.wire.recv_bytes(flat[at:at + size], 0)
+                at += size
+            if cmd["op"] == "write_parts" and target.device.type != "cpu":
+                target.copy_(row)
+        if cmd["op"] == "write_parts":
+            self.wire.send_obj({"ok": True}, 0)
+
+
+def follow(path=None, **options: Any) -> int:
+    """Run this rank's stage until rank 0 stops the job (0) or is lost (1).
+    Options as ``load()``; every rank must be given the same ones."""
+    from .engine import EngineConfig
+
+    config = EngineConfig.from_options({**options, "distributed": True})
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    stage = join_stage(path, config)
+    rank, stages = stage.rank, stage.stages
+    follower = Follower(stage.model, stages, rank, stage.wire)
+    del stage  # the follower keeps only its layers (and, last, the norm and head)
+    ready(rank)
+    log.info("rank %d: serving layers %d-%d on %s", rank, stages[rank].layers.start, stages[rank].layers.stop - 1,
+             stages[rank].device)
+    try:
+        follower.run()
+    except StageLost as e:
+        log.error("rank %d: stopping: %s", rank, e)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0

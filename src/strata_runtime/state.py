@@ -1,0 +1,53 @@
+"""The sequence state a model declares, per layer, as data.
+
+A model's ``state_spec()`` (from its ``ModelArgs``, so planning needs no
+weights) lists one entry per layer. Everything that sizes, stores or moves
+state reads this list and nothing about the architecture: the KV cache
+(``kv_cache.KVCache``), the split planner, ``strata info``, the conversation
+cache. Recurrent layers will add their own entry type here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
+
+# Prefill runs in chunks of at most this many tokens, so a sliding-window
+# layer's ring needs only its window plus one chunk of slots.
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class AttentionState:
+    """An attention layer keeps, per token of context, ``kv_heads`` keys and
+    values of ``head_dim`` each; over the last ``window`` tokens only (a
+    sliding-window layer: a ring of slots), or over all of them (None)."""
+
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+    def capacity(self, context: int) -> int:
+        """Slots for a sequence of up to ``context`` tokens: all of them, or
+        the window plus one prefill chunk (all a chunk of queries can reach)."""
+        return context if self.window is None else min(context, self.window + PREFILL_CHUNK)
+
+    def bytes_per_slot(self, kv: str, float_bytes: int) -> int:
+        """One slot in KV format ``kv``, scales included; ``float_bytes``:
+        how f16 values are stored (2, or 4 on the CPU's exact path)."""
+        return layer_bytes_per_token(kv, self.kv_heads, self.head_dim, float_bytes)
+
+
+LayerState = AttentionState  # the hybrid models add a recurrent kind
+
+
+def kv_bytes(spec: Sequence[LayerState], context: int, kv: str, float_bytes: int) -> int:
+    """What the layers of ``spec`` store for a sequence of ``context`` tokens."""
+    return sum(layer.capacity(context) * layer.bytes_per_slot(kv, float_bytes) for layer in spec)
+
+
+def kv_bytes_per_token(spec: Sequence[LayerState], kv: str, float_bytes: int) -> int:
+    """What one more token of context costs where no ring has filled: every layer."""
+    return sum(layer.bytes_per_slot(kv, float_bytes) for layer in spec)

@@ -125,7 +125,7 @@ class Follower:
 def follow(path=None, **options: Any) -> int:
     """Run this rank's stage until rank 0 stops the job (0) or is lost (1).
     Options as ``load()``; every rank must be given the same ones."""
-    from .engine import EngineConfig
+    from ..engine import EngineConfig
 
     config = EngineConfig.from_options({**options, "distributed": True})
     if config.threads is not None:

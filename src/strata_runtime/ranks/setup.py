@@ -91,9 +91,9 @@ def join_stage(path, config, memory: HostMemory | None = None, rank0: bool = Fal
     """What every rank does to start, in the same order (the collectives in
     it must match): join, plan, load this rank's tensors (every other tensor
     stays on the meta device: no bytes), open the wire."""
-    from .default_model import default_model_path
-    from .engine import check_device
-    from .loader import build_model, open_model
+    from ..default_model import default_model_path
+    from ..engine import check_device
+    from ..loader import build_model, open_model
 
     rank, world = join()
     if rank0 and rank != 0:

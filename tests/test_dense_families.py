@@ -90,3 +90,42 @@ def test_an_untied_head_through_an_in_process_split(tmp_path):
     split = _load(path, devices=["cpu", "cpu"], layer_split=[2])
     ids = one.tokenize(TEXT)
     torch.testing.assert_close(split.logits(ids), one.logits(ids), atol=1e-5, rtol=0)
+
+
+def test_yarn_rope_scaling_equals_transformers(tmp_path):
+    """YaRN (factor 4 over an original context of 32; the text runs past it):
+    the blended frequencies and the attention factor."""
+    path = write_tiny_model(tmp_path / "yarn.gguf", "llama", Shape(hidden=64, heads=2, kv_heads=1, head_dim=32), 9,
+                            Q.Q8_0, yarn=(4.0, 32))
+    engine = _load(path)
+    ids = engine.tokenize(TEXT)
+    assert len(ids) > 100
+    ours = engine.logits(ids)
+    ref = transformers_logits(path, ids, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 32})
+    plain = transformers_logits(path, ids)
+    assert float((ref - plain).abs().max()) > 1.0  # the scaling matters on this text
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_llama3_rope_freqs_equal_transformers(tmp_path):
+    """llama3's per-frequency scaling, stored in the file as ``rope_freqs.weight``
+    (the divisors of the plain frequencies), against transformers' own llama3 rope."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32}
+    head_dim = 32
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=head_dim,
+                         rope_parameters={"rope_theta": 10000.0, **params})
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    divisors = (plain / scaled).numpy()
+    assert divisors.max() > 4  # the slow frequencies are scaled down
+    path = write_tiny_model(tmp_path / "llama3.gguf", "llama", Shape(hidden=64, heads=2, kv_heads=1, head_dim=32), 10,
+                            Q.Q8_0, rope_freqs=divisors)
+    engine = _load(path)
+    ids = engine.tokenize(TEXT)
+    ref = transformers_logits(path, ids, rope_parameters=params)
+    torch.testing.assert_close(engine.logits(ids), ref, atol=1e-4, rtol=0)

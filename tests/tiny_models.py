@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. It's 2026 and we tokenize 12345 numbers!",
@@ -45,9 +45,12 @@ def bpe_vocabulary():
 
 
 def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
-                     qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+                     qtype: GGMLQuantizationType = GGMLQuantizationType.F32, yarn: tuple[float, int] | None = None,
+                     rope_freqs: np.ndarray | None = None) -> Path:
     """A ``arch`` GGUF with random weights scaled so the logits are peaked;
-    the projections stored as ``qtype``, norms and biases as F32."""
+    the projections stored as ``qtype``, norms and biases as F32. ``yarn``:
+    (factor, original context) as ``rope.scaling.*``; ``rope_freqs``: llama3's
+    per-frequency divisors as the ``rope_freqs.weight`` tensor."""
     rng = np.random.default_rng(seed)
     tokens, merges = bpe_vocabulary()
     vocab = len(tokens)
@@ -63,6 +66,10 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
     w.add_value_length(s.head_dim)
     w.add_rope_dimension_count(s.head_dim)
     w.add_rope_freq_base(10000.0)
+    if yarn is not None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
@@ -103,6 +110,8 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
         weight(p + "ffn_gate.weight", s.ffn, s.hidden, s.hidden ** -0.5)
         weight(p + "ffn_up.weight", s.ffn, s.hidden, s.hidden ** -0.5)
         weight(p + "ffn_down.weight", s.hidden, s.ffn, s.ffn ** -0.5)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     vector("output_norm.weight", s.hidden, 1.0, 0.1)
     if not s.tied:
         weight("output.weight", vocab, s.hidden, 4 * s.hidden ** -0.5)
@@ -113,7 +122,8 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
     return path
 
 
-def transformers_logits(path: Path, token_ids: list[int], head_dim: int | None = None):
+def transformers_logits(path: Path, token_ids: list[int], head_dim: int | None = None,
+                        rope_parameters: dict | None = None):
     """float32 logits ``[T, vocab]`` from HF transformers loading ``path``.
     ``head_dim``: given to the config (transformers' GGUF loader does not read
     ``qwen3.attention.key_length``, and defaults it to 128)."""
@@ -121,6 +131,8 @@ def transformers_logits(path: Path, token_ids: list[int], head_dim: int | None =
     from transformers import AutoModelForCausalLM
 
     extra = {} if head_dim is None else {"head_dim": head_dim}
+    if rope_parameters is not None:  # transformers' GGUF loader reads no rope scaling for these families
+        extra["rope_parameters"] = {"rope_theta": 10000.0, **rope_parameters}
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, **extra)
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0].float()

@@ -3,6 +3,8 @@ over GGUF weights, RMSNorm, rotary embeddings."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,6 +121,29 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(head_dim: int, base: float, linear_scale: float = 1.0) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (base ** exponents) / linear_scale
+
+
+def yarn_inverse_frequencies(head_dim: int, base: float, factor: float, original_context: int,
+                             beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """YaRN: each frequency between extrapolated (unscaled, the fast ones
+    that turn more than ``beta_fast`` times over the original context) and
+    interpolated (divided by ``factor``, the slow ones that turn fewer than
+    ``beta_slow`` times), on a linear ramp between the two dimensions; as
+    llama.cpp's ``rope_yarn`` and the YaRN paper compute it. The attention
+    factor that goes with it is ``yarn_attention_factor``."""
+    def dimension_of(rotations: float) -> float:
+        return head_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dimension_of(beta_fast)), 0)
+    high = min(math.ceil(dimension_of(beta_slow)), head_dim - 1)
+    extrapolated = rope_inverse_frequencies(head_dim, base)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's scale of cos and sin (so of queries and keys alike): 1 + 0.1 ln(factor)."""
+    return 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

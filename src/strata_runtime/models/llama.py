@@ -27,26 +27,62 @@ from ..errors import ModelFileError
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..backend import Backend
-from ..layers import GatedMLP, Linear, RMSNorm, RopeCache, apply_rope, linears, rope_inverse_frequencies, silu_mul
+from ..layers import (GatedMLP, Linear, RMSNorm, RopeCache, apply_rope, linears, rope_inverse_frequencies, silu_mul,
+                      yarn_attention_factor, yarn_inverse_frequencies)
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """``rope.scaling.*`` as the file gives it: ``kind`` none, linear or yarn."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    original_context: int = 0  # yarn: the context the model was trained at
+    attention_factor: float = 1.0  # yarn: times 1 + 0.1 ln(factor)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def inverse_frequencies(self, head_dim: int, base: float) -> torch.Tensor:
+        if self.kind == "yarn":
+            return yarn_inverse_frequencies(head_dim, base, self.factor, self.original_context, self.beta_fast,
+                                            self.beta_slow)
+        return rope_inverse_frequencies(head_dim, base, self.factor if self.kind == "linear" else 1.0)
+
+    def score_scale(self) -> float:
+        """What the rotation's scale of queries and keys does to their dot
+        products (yarn scales cos and sin: both sides, so squared)."""
+        return (self.attention_factor * yarn_attention_factor(self.factor)) ** 2 if self.kind == "yarn" else 1.0
+
+
+@dataclass(frozen=True)
 class ModelArgs(DecoderArgs):
-    rope_linear_scale: float
+    rope_scaling: RopeScaling
 
     @classmethod
     def from_config(cls, config: ModelConfig, vocab_size: int) -> "ModelArgs":
-        scaling = config.arch_key("rope.scaling.type") or "none"
-        if scaling not in ("none", "linear"):
-            raise ModelFileError(f"{config.architecture}: rope scaling {scaling!r} is not supported yet; "
-                                 f"supported: none, linear (and llama3's rope_freqs tensor)")
+        kind = config.arch_key("rope.scaling.type") or "none"
+        if kind not in ("none", "linear", "yarn"):
+            raise ModelFileError(f"{config.architecture}: rope scaling {kind!r} is not supported; "
+                                 f"supported: none, linear, yarn (and llama3's rope_freqs tensor)")
         factor = float(config.arch_key("rope.scaling.factor", 1.0) or 1.0)
+        scaling = RopeScaling(kind, factor)
+        if kind == "yarn":
+            original = config.arch_key("rope.scaling.original_context_length")
+            if not original:
+                raise ModelFileError(f"{config.architecture}: yarn rope scaling needs "
+                                     f"{config.architecture}.rope.scaling.original_context_length")
+            scaling = RopeScaling(kind, factor, int(original),
+                                  float(config.arch_key("rope.scaling.attn_factor", 1.0) or 1.0),
+                                  float(config.arch_key("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+                                  float(config.arch_key("rope.scaling.yarn_beta_slow", 1.0) or 1.0))
         rotary = int(config.arch_key("rope.dimension_count", config.key_length))
         if rotary != config.key_length:
             raise ModelFileError(f"{config.architecture}: partial rotary embeddings ({rotary} of {config.key_length} "
                                  f"dimensions) are not supported for this architecture")
-        return cls(**DecoderArgs.common(config, vocab_size), rope_linear_scale=factor if scaling == "linear" else 1.0)
+        common = DecoderArgs.common(config, vocab_size)
+        common["attention_scale"] *= scaling.score_scale()
+        return cls(**common, rope_scaling=scaling)
 
 
 @dataclass(frozen=True)
@@ -133,7 +169,7 @@ class Model(DecoderModel):
         super().__init__()
         self.args = args
         self.embedding = embedding_table(weights)
-        inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_base, args.rope_linear_scale)
+        inv_freq = args.rope_scaling.inverse_frequencies(args.head_dim, args.rope_base)
         if weights.has("rope_freqs.weight"):  # llama3's per-frequency scaling, read by every stage
             inv_freq = inv_freq / dequantize(weights.on_host("rope_freqs.weight")).reshape(-1)
         rope = RopeCache()

@@ -67,3 +67,22 @@ def test_park_and_restore_on_cuda_equal_cold_runs(tmp_path, kv):
     stats = engine.stats()
     assert stats["parked"] >= 2 and stats["restored"] >= 1, stats
     assert any(w.cached_tokens > 10 for w in warm[2:]), [w.cached_tokens for w in warm]
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("qwen2", False)])
+def test_a_split_from_the_cpu_to_cuda_equals_one_device(tmp_path, arch, tied):
+    """Layers 0-1 on the CPU (torch backend), 2-3 on CUDA (Triton): the
+    hidden state crosses devices, and a tied head reads its own copy of the
+    token table on the last stage."""
+    shape = Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=tied)
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, shape, 13, Q.Q8_0)
+    exact = _load(path, dtype="float32")
+    ids = exact.tokenize(TEXT)
+    split = _load(path, devices=["cpu", "cuda:0"], layer_split=[2])
+    assert [b.split(":")[0] for b in split.props()["backend"]] == ["cpu float32", "cuda"]
+    inner = split.model.model
+    assert inner.embedding.device.type == "cpu" and inner.output.device.type == "cuda"
+    assert (inner.output is inner.embedding) is False
+    kl, top1 = _agreement(split.logits(ids).float().cpu(), exact.logits(ids))
+    print(f"{arch} cpu->cuda split: KL {kl:.4f}, top-1 {top1:.1%}")
+    assert kl <= 0.01 and top1 >= 0.9

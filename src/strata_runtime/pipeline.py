@@ -26,7 +26,7 @@ from torch import nn
 from .errors import StrataError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, f16_storage_bytes
-from .loader import open_model
+from .loader import DTYPES, open_model
 from .memory import HostMemory, MiB
 from .models.decoder import finish
 from .state import LayerState, kv_bytes
@@ -125,7 +125,7 @@ def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | 
     ``free_bytes``: each device's free memory when measured elsewhere (each
     rank of a split across processes measures its own). ``dtype``: the
     activations, which decide how f16 KV is stored on a CPU stage."""
-    activations = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    activations = DTYPES[dtype]
     devices = parse_devices(devices)
     split = parse_layer_split(layer_split)
     mb = _model_bytes(gguf)

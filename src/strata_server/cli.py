@@ -301,10 +301,9 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.default_model import default_model_path
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
-    import torch
 
-    from strata_runtime.kv_cache import f16_storage_dtype
-    from strata_runtime.loader import open_model
+    from strata_runtime.kv_cache import f16_storage_bytes, f16_storage_dtype
+    from strata_runtime.loader import DTYPES, open_model
     from strata_runtime.state import kv_bytes, kv_bytes_per_token
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
@@ -325,8 +324,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("tensors:")
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")
-    storage = f16_storage_dtype(args.device, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
-    float_bytes = torch.finfo(storage).bits // 8
+    storage = f16_storage_dtype(args.device, DTYPES[args.dtype])
+    float_bytes = f16_storage_bytes(args.device, DTYPES[args.dtype])
     print(f"KV cache for a context of {context} tokens (all layers, scales included; f16 stored as "
           f"{str(storage).removeprefix('torch.')} with --dtype {args.dtype} on {args.device}):")
     spec = open_model(gguf).state_spec  # what each layer keeps, as the model declares it

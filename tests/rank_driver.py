@@ -18,7 +18,7 @@ import strata_runtime
 from strata_runtime import ranks
 from strata_runtime.testing import inject_fault
 
-OPTIONS = dict(progress=False, context_length=512, layer_split=[9], threads=1,
+OPTIONS = dict(dtype="float32", progress=False, context_length=512, layer_split=[9], threads=1,
                conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
 
 

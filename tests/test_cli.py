@@ -44,7 +44,7 @@ def test_bad_argument_is_reported_by_argparse():
 
 
 def test_info_describes_the_model(model_file):
-    out = strata("info", str(model_file), "--context", "8192")
+    out = strata("info", str(model_file), "--context", "8192", "--dtype", "float32")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for expected in ("architecture:    gemma3", "context length:  32768", "layers:          18",
@@ -53,8 +53,8 @@ def test_info_describes_the_model(model_file):
                      "f16     36864 bytes per token (1.000x f16), 288.0 MiB",
                      "int8     9504 bytes per token (0.258x f16)", "k8v4     7344 bytes per token (0.199x f16)"):
         assert expected in text, expected
-    fast = strata("info", str(model_file), "--context", "8192", "--dtype", "bfloat16").stdout
-    for expected in ("f16     18432 bytes per token (1.000x f16), 144.0 MiB",
+    fast = strata("info", str(model_file), "--context", "8192").stdout  # the default path: bfloat16 storage
+    for expected in ("f16 stored as bfloat16 with --dtype auto on cpu","f16     18432 bytes per token (1.000x f16), 144.0 MiB",
                      "int8     9504 bytes per token (0.516x f16)", "k8v4     7344 bytes per token (0.398x f16)"):
         assert expected in fast, expected
 
@@ -62,9 +62,9 @@ def test_info_describes_the_model(model_file):
 def test_info_on_a_llama_file(smollm2_file):
     out = strata("info", str(smollm2_file))
     assert out.returncode == 0, out.stderr
-    # 30 layers x 3 KV heads x 64 x (keys and values) x 4 bytes (float32 storage on the exact CPU path)
+    # 30 layers x 3 KV heads x 64 x (keys and values) x 2 bytes (bfloat16 storage on the default CPU path)
     assert "architecture:    llama" in out.stdout
-    assert re.search(rf"f16\s+{30 * 3 * 64 * 2 * 4} bytes per token", out.stdout), out.stdout
+    assert re.search(rf"f16\s+{30 * 3 * 64 * 2 * 2} bytes per token", out.stdout), out.stdout
 
 
 def test_chat_reads_turns_from_stdin(model_file):

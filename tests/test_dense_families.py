@@ -28,8 +28,10 @@ QWEN3_HEAD = (Shape(hidden=64, heads=4, kv_heads=2, head_dim=32), Q.Q8_0, 4)  # 
 TEXT = " ".join(CORPUS[:3])
 
 
-def _load(path, **options):
-    return strata_runtime.load(path, progress=False, conversation_cache_mib=0, context_length=256, **options)
+def _load(path, dtype="float32", **options):
+    """The exact path unless ``dtype`` says otherwise."""
+    return strata_runtime.load(path, dtype=dtype, progress=False, conversation_cache_mib=0, context_length=256,
+                               **options)
 
 
 @pytest.mark.parametrize("arch, shape, qtype, seed",

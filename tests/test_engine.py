@@ -133,7 +133,7 @@ def test_generation_stops_at_the_context_end(model_file):
 def test_unknown_load_option(model_file):
     with pytest.raises(TypeError, match="unknown option.*dtpye.*load\\(\\) accepts"):
         strata_runtime.load(model_file, dtpye="float32")
-    with pytest.raises(ValueError, match="dtype must be one of float32"):
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
         strata_runtime.load(model_file, dtype="int3")
     with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
         strata_runtime.load(model_file, device="tpu")

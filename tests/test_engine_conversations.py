@@ -1,6 +1,13 @@
 """Conversations through the engine: park and restore between alternating
 conversations give the same greedy tokens as cold runs; faults never reach
-the request."""
+the request.
+
+On the exact path (``dtype="float32"``): there a position's arithmetic does
+not depend on how the prompt was cut into chunks, so a restored conversation
+must equal a cold run token for token. On the default path a decode step
+(the integer GEMV) and a prefill chunk (a float GEMM) compute the same
+position differently, so only closeness holds there (``test_fast_path.py``).
+"""
 
 from __future__ import annotations
 
@@ -28,13 +35,13 @@ def _conversation_turns(engine, topic, answers):
 
 
 def _cold(model_file, kv, prompts):
-    cold = strata_runtime.load(model_file, kv=kv, progress=False, context_length=1024, conversation_cache_mib=0)
+    cold = strata_runtime.load(model_file, dtype="float32", kv=kv, progress=False, context_length=1024, conversation_cache_mib=0)
     return [cold.generate(p, max_tokens=6, temperature=0).tokens for p in prompts]
 
 
 @pytest.mark.parametrize("kv", ["f16", "int8", "k8v4"])
 def test_alternating_conversations_equal_cold_runs(model_file, kv):
-    engine = strata_runtime.load(model_file, kv=kv, progress=False, context_length=1024,
+    engine = strata_runtime.load(model_file, dtype="float32", kv=kv, progress=False, context_length=1024,
                                  conversation_cache_mib=64, min_free_mib=0, checkpoint_every=64)
     answers = [["It is a long river in Europe."] * 3, ["A number with exactly two divisors."] * 3]
     turns = [list(_conversation_turns(engine, t, a)) for t, a in zip(TOPICS, answers)]
@@ -56,7 +63,7 @@ _cold_outputs: dict[tuple, list] = {}
 @pytest.mark.parametrize("rate", [1.0, 0.5], ids=["every-call", "random-subset"])
 @pytest.mark.parametrize("point", POINTS)
 def test_every_fault_point_is_survived(model_file, point, rate):
-    engine = strata_runtime.load(model_file, progress=False, context_length=512,
+    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512,
                                  conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)
     prompts = [engine.tokenize(t) for t in (
         "The history of the printing press begins in the fifteenth century, when",
@@ -80,7 +87,7 @@ def test_every_fault_point_is_survived(model_file, point, rate):
 
 
 def test_no_conversation_cache_still_reuses_the_live_prefix(model_file):
-    engine = strata_runtime.load(model_file, progress=False, context_length=256, conversation_cache_mib=0)
+    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=256, conversation_cache_mib=0)
     assert engine.conversations is None and engine.stats() == {}
     engine.generate("The capital of France is", max_tokens=2, temperature=0)
     again = engine.generate("The capital of France is Paris, and", max_tokens=2, temperature=0)
@@ -94,7 +101,7 @@ def _alternate(engine, n=3):
 
 
 def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
-    engine = strata_runtime.load(model_file, progress=False, context_length=64,
+    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=64,
                                  conversation_cache_mib=10_000_000, strict_conversation_cache=True)
     assert engine.conversations.pool.total_bytes == 0
     assert "refused (strict)" in engine.pool_decision.message
@@ -110,7 +117,7 @@ def test_load_admits_the_pool_against_a_cgroup_tighter_than_mem_available(model_
     caplog.set_level("INFO", logger="strata_runtime.staging")
     proc = _proc(tmp_path, available_kb=8 * 1024 * 1024, cgroup="0::/svc\n")
     cg = _v2(tmp_path, "/svc", str(4096 * MiB), current=(4096 - 300) * MiB, inactive=0)
-    engine = strata_runtime.load(model_file, progress=False, context_length=128, memory=HostMemory(proc, cg),
+    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, cg),
                                  conversation_cache_mib=1024, min_free_mib=100)
     assert engine.conversations.pool.total_bytes == 200 * MiB
     assert "shrunk to fit: 200 MiB of 1024 MiB requested (headroom 300 MiB; floor 100 MiB)" in caplog.text
@@ -121,10 +128,10 @@ def test_load_admits_the_pool_against_a_cgroup_tighter_than_mem_available(model_
 def test_load_with_unknown_telemetry_refuses_parking_with_the_reason(model_file, tmp_path, caplog):
     caplog.set_level("INFO", logger="strata_runtime")
     proc = _proc(tmp_path, available_kb="lots")
-    engine = strata_runtime.load(model_file, progress=False, context_length=128, memory=HostMemory(proc, tmp_path),
+    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, tmp_path),
                                  conversation_cache_mib=64, min_free_mib=0)
     assert engine.conversations.pool.total_bytes == 0
-    cold = strata_runtime.load(model_file, progress=False, context_length=128, conversation_cache_mib=0)
+    cold = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=128, conversation_cache_mib=0)
     assert _alternate(engine) == _alternate(cold)
     assert engine.stats()["skipped_by_reason"] == {"park:no_pool": 2}
     skips = [r.getMessage() for r in caplog.records if "skip parking" in r.getMessage()]
@@ -139,9 +146,9 @@ def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model
     nothing raises, outputs equal runs without any conversation cache, and
     the counters agree with the log."""
     caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
-    engine = strata_runtime.load(model_file, progress=False, context_length=1024, conversation_cache_mib=32,
+    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=32,
                                  conversation_cache_slots=8, min_free_mib=0, checkpoint_every=256)
-    references = [strata_runtime.load(model_file, progress=False, context_length=1024, conversation_cache_mib=0)
+    references = [strata_runtime.load(model_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=0)
                   for _ in range(2)]
     texts = ["The history of the printing press begins with Gutenberg in Mainz. ",
              "Rivers of Europe include the Danube, the Rhine and the Elbe. "]
@@ -156,7 +163,7 @@ def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model
         assert out.tokens == expected.tokens, f"request {request}"
     # The last prompt of each conversation, cold: the two share only BOS, so
     # one engine without a conversation cache prefills each from scratch.
-    cold = strata_runtime.load(model_file, progress=False, context_length=1024, conversation_cache_mib=0)
+    cold = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=0)
     for c in range(2):
         assert cold.generate(prompts[c], max_tokens=4, temperature=0).tokens == \
             references[c].generate(prompts[c], max_tokens=4, temperature=0).tokens

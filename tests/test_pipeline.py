@@ -14,7 +14,7 @@ from strata_runtime.pipeline import Pipeline, SplitError
 
 @pytest.fixture(scope="module")
 def split(model_file):
-    return strata_runtime.load(model_file, progress=False, context_length=512, devices=["cpu", "cpu"],
+    return strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, devices=["cpu", "cpu"],
                                layer_split=[9], conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
 
 
@@ -35,7 +35,7 @@ def test_the_stages_park_and_restore_conversations_like_one(engine, split):
                                                  "Bread needs flour, water and salt. ")]
     order = [prompts[0], prompts[1], prompts[0] + prompts[1][1:4], prompts[1] + prompts[0][1:4]]
     warm = [split.generate(p, max_tokens=4, temperature=0) for p in order]
-    cold = [strata_runtime.load(engine.gguf.path, progress=False, context_length=512, conversation_cache_mib=0)
+    cold = [strata_runtime.load(engine.gguf.path, dtype="float32", progress=False, context_length=512, conversation_cache_mib=0)
             .generate(p, max_tokens=4, temperature=0).tokens for p in order]
     assert [w.tokens for w in warm] == cold
     assert split.stats()["restored"] >= 1 and any(w.cached_tokens > 20 for w in warm[2:])
@@ -49,12 +49,12 @@ def test_the_stages_park_and_restore_conversations_like_one(engine, split):
 ])
 def test_bad_split_arguments_fail_before_loading(model_file, options, message):
     with pytest.raises(SplitError, match=message):
-        strata_runtime.load(model_file, progress=False, **options)
+        strata_runtime.load(model_file, dtype="float32", progress=False, **options)
 
 
 def test_layer_split_without_devices_is_refused(model_file):
     with pytest.raises(ValueError, match="layer_split needs devices"):
-        strata_runtime.load(model_file, progress=False, layer_split=[9])
+        strata_runtime.load(model_file, dtype="float32", progress=False, layer_split=[9])
 
 
 def test_cli_generates_through_a_split(model_file):
@@ -72,7 +72,7 @@ def test_cli_generates_through_a_split(model_file):
 def test_a_split_across_the_cpu_and_a_gpu_matches_one_stage(engine, model_file, reference_float32):
     """Stage 0 on the CPU (exact), stage 1 on CUDA (GGUF blocks through the
     Triton kernels): the hidden state crosses devices at layer 9."""
-    split = strata_runtime.load(model_file, progress=False, context_length=512, devices=["cpu", "cuda:0"],
+    split = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, devices=["cpu", "cuda:0"],
                                 layer_split=[9])
     assert {s.k.device.type for s in split.new_cache(16).stores} == {"cpu", "cuda"}
     for case in reference_float32["teacher_forced"]:
@@ -85,7 +85,7 @@ def test_a_fault_in_one_stage_part_skips_the_checkpoint_on_every_stage(engine, m
     from strata_runtime.testing import inject_fault
 
     caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
-    split = strata_runtime.load(model_file, progress=False, context_length=512, devices="cpu,cpu", layer_split="9",
+    split = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, devices="cpu,cpu", layer_split="9",
                                 conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
     prompt = engine.tokenize("The printing press came to Venice in 1469. " * 8)
     with inject_fault("checkpoint_copy", stage=1) as fault:

@@ -14,7 +14,7 @@ from strata_runtime.pipeline import SplitError, check_split, parse_devices, pars
 
 
 def test_two_stages_cover_every_layer_and_every_byte(model_gguf):
-    stages = plan_split(model_gguf, "cpu,cpu", "9", context=4096)
+    stages = plan_split(model_gguf, "cpu,cpu", "9", context=4096, dtype="float32")
     assert [s.layers for s in stages] == [range(0, 9), range(9, 18)]
     infos = {t.name: t.nbytes for t in model_gguf.tensor_infos()}
     embed = infos["token_embd.weight"]
@@ -31,7 +31,7 @@ def test_two_stages_cover_every_layer_and_every_byte(model_gguf):
 
 def test_planned_kv_bytes_are_the_bytes_a_cache_allocates(engine, model_file):
     """The plan counts the storage the engine actually allocates (f16 as float32 on the exact CPU path)."""
-    (stage,) = plan_split(engine.gguf, ["cpu"], None, context=engine.context_length)
+    (stage,) = plan_split(engine.gguf, ["cpu"], None, context=engine.context_length, dtype="float32")
     assert stage.kv_bytes == engine.props()["kv_bytes"]
 
 

@@ -83,7 +83,7 @@ def test_conversations_park_and_restore_across_ranks(driven, model_file):
     import strata_runtime
 
     conv = driven["conversation"]
-    cold = strata_runtime.load(model_file, progress=False, context_length=512, conversation_cache_mib=0)
+    cold = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, conversation_cache_mib=0)
     assert conv["tokens"] == [cold.generate(p, max_tokens=4, temperature=0).tokens for p in conv["prompts"]]
     assert conv["stats"]["restored"] >= 1 and max(conv["cached"][2:]) > 20
     assert conv["stats"]["skipped_by_reason"] == {}
@@ -95,7 +95,7 @@ def test_a_fault_in_stage_1s_checkpoint_part_skips_the_checkpoint_and_serves(dri
     fault = driven["fault"]
     assert fault["fired"] >= 1
     assert fault["stats"]["skipped_by_reason"].get("checkpoint:out_of_memory") == fault["fired"]
-    cold = strata_runtime.load(model_file, progress=False, context_length=512, conversation_cache_mib=0)
+    cold = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, conversation_cache_mib=0)
     assert fault["tokens"] == cold.generate(fault["prompt"], max_tokens=4, temperature=0).tokens
 
 

@@ -1,6 +1,7 @@
-"""SmolLM2 135M Instruct (architecture ``llama``): chat, the fast path, the
-conversation cache. Its agreement with the references is in
-``test_reference_parity.py``."""
+"""SmolLM2 135M Instruct (architecture ``llama``): chat, the conversation
+cache, a layer split. Its agreement with the references is in
+``test_reference_parity.py``, the default path's with the exact one in
+``test_fast_path.py``."""
 
 from __future__ import annotations
 
@@ -21,24 +22,10 @@ def test_chat_answers_and_stops_at_its_end_of_turn(smollm2):
     assert smollm2.tokenizer.ids["<|im_end|>"] in smollm2.tokenizer.end_of_generation
 
 
-def test_fast_path_agrees_with_the_exact_path(smollm2, smollm2_file):
-    fast = strata_runtime.load(smollm2_file, dtype="bfloat16", progress=False, context_length=2048,
-                               conversation_cache_mib=0)
-    reference = json.loads((DATA / "smollm2-135m-instruct-q4_1.float32.json").read_text())
-    agree = total = 0
-    for case in reference["teacher_forced"]:
-        a = smollm2.logits(case["tokens"])
-        b = fast.logits(case["tokens"])
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += a.shape[0]
-    print(f"SmolLM2 bfloat16 against float32: top-1 agreement {agree}/{total} = {agree / total:.2%}")
-    assert agree / total >= 0.95
-
-
 def test_alternating_conversations_equal_cold_runs(smollm2_file):
-    warm = strata_runtime.load(smollm2_file, progress=False, context_length=1024, conversation_cache_mib=64,
+    warm = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=64,
                                min_free_mib=0)
-    cold = strata_runtime.load(smollm2_file, progress=False, context_length=1024, conversation_cache_mib=0)
+    cold = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=0)
     a = [{"role": "user", "content": "Tell me about the river Danube."}]
     b = [{"role": "user", "content": "Explain what a prime number is."}]
     order = [a, b, a + [{"role": "assistant", "content": "It is a long river."},
@@ -53,7 +40,7 @@ def test_alternating_conversations_equal_cold_runs(smollm2_file):
 
 
 def test_a_layer_split_gives_the_logits_and_tokens_of_one_stage(smollm2, smollm2_file):
-    split = strata_runtime.load(smollm2_file, progress=False, context_length=512, devices=["cpu", "cpu"],
+    split = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=512, devices=["cpu", "cpu"],
                                 layer_split=[15], conversation_cache_mib=0)
     assert split.props()["stages"] == [{"device": "cpu", "layers": [0, 14]}, {"device": "cpu", "layers": [15, 29]}]
     reference = json.loads((DATA / "smollm2-135m-instruct-q4_1.float32.json").read_text())

@@ -1,23 +1,35 @@
-"""CPU kernels: GEMVs that read GGUF blocks directly (``csrc/gguf_cpu.cpp``)
-and the small operations of a decode step (``csrc/decode_cpu.cpp``).
+"""CPU kernels: the GEMV that reads GGUF blocks directly by integer dot
+products (``csrc/qdot_cpu.cpp``), dequantization of slabs of blocks for a
+prompt's GEMM (``csrc/dequant_cpu.cpp``) and the small operations of a
+decode step (``csrc/decode_cpu.cpp``).
 
-The C++ sources are compiled on first use with the machine's compiler, through
-``torch.utils.cpp_extension`` (about 50 s on 2 cores, then cached by torch
-under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). It is
-built with ``-march=native``: it runs where it was built, with the widest SIMD
-the machine has (AVX-512 with AVX512_BF16, AVX2, or plain C++; the module's
-``simd`` says which). ``STRATA_CPU_MARCH=haswell`` (any ``-march`` value)
-builds for another target instead, in a build of its own. Importing this
-module builds nothing; ``available()`` says whether the build worked, and why
-not when it did not, and callers fall back to the torch path then.
+One build per ISA variant, chosen at run time from what this CPU has
+(``/proc/cpuinfo``), not from the machine that built it, so that an
+installation or a cache moved between machines stays correct:
+
+- ``avx512``: AVX-512 F/BW/DQ/VL (Skylake-X, Ice Lake, Zen 4 and later);
+- ``avx2``: AVX2, FMA and F16C (Haswell on, every Zen);
+- ``generic``: the compiler's default target, plain C++.
+
+Each variant compiles on first use with the machine's compiler through
+``torch.utils.cpp_extension`` (about a minute on 2 cores, with a progress
+line), once per machine: torch caches it under ``TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``), the variant in its name.
+``STRATA_CPU_ISA=avx2`` (or ``generic``) picks a lower variant than the CPU
+could run; ``ATEN_CPU_CAPABILITY=avx2`` (torch's own switch) caps it too,
+so one setting shows what an AVX2-only machine sees. Importing this module
+builds nothing; ``available()`` says whether the build worked, and why not
+when it did not, and callers fall back to the torch path then.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import re
+import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -28,47 +40,132 @@ from .quant_tensor import QuantTensor
 
 log = logging.getLogger(__name__)
 
-# The types gguf_cpu.cpp decodes.
+# The types gguf_blocks.h decodes.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("gguf_cpu.cpp", "decode_cpu.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("qdot_cpu.cpp", "dequant_cpu.cpp", "decode_cpu.cpp", "bindings.cpp")]
+
+# Variant -> (compiler flags, /proc/cpuinfo flags it needs), best first.
+ISA_VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx512": (["-march=x86-64-v4", "-mtune=generic"],
+               frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"})),
+    "avx2": (["-march=haswell", "-mtune=generic"], frozenset({"avx2", "fma", "f16c"})),
+    "generic": ([], frozenset()),
+}
+# torch's ATEN_CPU_CAPABILITY values -> the best variant they allow.
+_ATEN_CAP = {"default": "generic", "avx2": "avx2", "avx512": "avx512"}
+
 _lock = threading.Lock()
-_module = None
-_error: str | None = None
+_modules: dict[str, object] = {}
+_errors: dict[str, str] = {}
 
 
-def target() -> str:
-    """The ``-march`` the kernels are built for: ``STRATA_CPU_MARCH``, default native."""
-    return os.environ.get("STRATA_CPU_MARCH", "native")
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
-def _build():
+def supported_isas() -> list[str]:
+    """The variants this CPU can run, best first (``generic`` always)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["generic"]
+    flags = cpu_flags()
+    return [name for name, (_, needs) in ISA_VARIANTS.items() if needs <= flags]
+
+
+@functools.lru_cache(maxsize=1)
+def isa() -> str:
+    """The variant this process runs: the best the CPU has, lowered by
+    ``STRATA_CPU_ISA`` or ``ATEN_CPU_CAPABILITY`` when set (read once per
+    process, as torch reads its own). Asking for a variant the CPU cannot
+    run is an error that names the ones it can."""
+    can = supported_isas()
+    order = list(ISA_VARIANTS)
+    chosen = can[0]
+    cap = _ATEN_CAP.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+    if cap is not None and order.index(cap) > order.index(chosen):
+        chosen = cap
+    asked = os.environ.get("STRATA_CPU_ISA")
+    if asked:
+        if asked not in ISA_VARIANTS:
+            raise ValueError(f"STRATA_CPU_ISA={asked!r}: choose one of {', '.join(ISA_VARIANTS)}")
+        if asked not in can:
+            raise ValueError(f"STRATA_CPU_ISA={asked!r}: this CPU runs {', '.join(can)}")
+        chosen = asked
+    return chosen
+
+
+def _build(variant: str):
     from torch.utils.cpp_extension import load
 
-    march = target()
-    name = "strata_cpu_kernels" if march == "native" else "strata_cpu_kernels_" + re.sub(r"\W", "_", march)
+    flags, _ = ISA_VARIANTS[variant]
     # -ffp-contract=off: dequantize must round exactly as gguf-py does (no
     # fused multiply-adds unless the source asks for one).
-    return load(name=name, sources=[str(p) for p in _SOURCES], extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    with _progress_line(f"building the CPU kernels ({variant}; once per machine, about a minute)"):
+        return load(name=f"strata_cpu_kernels_{variant}", sources=[str(p) for p in _SOURCES],
+                    extra_include_paths=[str(_CSRC)],
+                    extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+
+
+class _progress_line:
+    """A tqdm line with the elapsed time, shown only if the work inside takes
+    more than a second (a cached build loads in a fraction of one)."""
+
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.done = threading.Event()
+
+    def _tick(self) -> None:
+        if self.done.wait(1.0):
+            return
+        from tqdm.auto import tqdm
+
+        with tqdm(desc=self.desc, bar_format="{desc}: {elapsed}") as bar:
+            while not self.done.wait(1.0):
+                bar.refresh()
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def kernels_for(variant: str):
+    """The compiled module of ``variant``, building it on first call; None if
+    it cannot be built here (the reason is logged once and kept)."""
+    if variant in _modules or variant in _errors:
+        return _modules.get(variant)
+    with _lock:
+        if variant not in _modules and variant not in _errors:
+            t0 = time.perf_counter()
+            try:
+                _modules[variant] = _build(variant)
+            except Exception as exc:  # a missing compiler, ninja, or headers
+                _errors[variant] = f"{type(exc).__name__}: {exc}".strip()
+                log.warning("CPU GGUF kernels (%s) could not be built, using the torch path instead: %s",
+                            variant, _errors[variant])
+            else:
+                log.debug("CPU kernels (%s) ready in %.1f s", variant, time.perf_counter() - t0)
+    return _modules.get(variant)
 
 
 def kernels():
-    """The compiled module, building it on first call; None if it cannot be
-    built here (the reason is logged once and kept in ``build_error()``)."""
-    global _module, _error
-    if _module is not None or _error is not None:
-        return _module
-    with _lock:
-        if _module is None and _error is None:
-            try:
-                _module = _build()
-            except Exception as exc:  # a missing compiler, ninja, or headers
-                _error = f"{type(exc).__name__}: {exc}".strip()
-                log.warning("CPU GGUF kernels could not be built, using the torch path instead: %s", _error)
-    return _module
+    """The compiled module for this machine's variant (``isa()``), or None."""
+    return kernels_for(isa())
 
 
 def available() -> bool:
@@ -77,7 +174,17 @@ def available() -> bool:
 
 def build_error() -> str | None:
     kernels()
-    return _error
+    return _errors.get(isa())
+
+
+def describe() -> str:
+    """What the kernels run on this machine, for ``props()`` and benchmarks
+    ("avx2 (this CPU runs avx512, avx2, generic): avx2 lanes"), or why they
+    did not build."""
+    built = kernels()
+    if built is None:
+        return f"not built: {build_error()}"
+    return f"{isa()} (this CPU runs {', '.join(supported_isas())}): {built.simd} lanes"
 
 
 def supports(qt: QuantTensor) -> bool:
@@ -93,9 +200,11 @@ def check_supported(qt: QuantTensor) -> None:
 
 def gemv(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     """``x @ W.T`` for float32 or bfloat16 ``x`` ``[M, K]``, ``M <= 8``,
-    reading each block of ``qt`` once; ``[M, N]`` in x's dtype (accumulated
-    in float32). bfloat16 ``x`` uses the CPU's bf16 dot-product instructions
-    where it has them (AVX512_BF16) for types of up to 7-bit codes."""
+    reading each block of ``qt`` once; ``[M, N]`` in x's dtype. By integer
+    dot products (``csrc/qdot_cpu.cpp``): x quantized once to 16-bit codes
+    with one scale per 32 columns (each value within 2^-16 of its group's
+    largest, finer than bfloat16's rounding), products summed in int32 per
+    32 weights, then scaled and accumulated in float32."""
     return kernels().gemv(x, [qt.data], [int(qt.qtype)], qt.cols)[0]
 
 

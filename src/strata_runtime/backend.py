@@ -20,12 +20,13 @@ class Backend:
     ``kernels``:
     - ``"torch"``: weights dequantized once at load, torch ops (float32: the
       exact path; also bfloat16 on a CPU where the kernels could not build);
-    - ``"cpu"``: GGUF blocks read by the compiled CPU kernels, bfloat16
-      activations, norms, RoPE, gated activations and attention fused there;
+    - ``"cpu"``: GGUF blocks read by the compiled CPU kernels (float32 or
+      bfloat16 activations), norms, RoPE, gated activations and attention
+      fused there;
     - ``"triton"``: GGUF blocks read by the Triton kernels on a GPU;
     - ``"meta"``: weights another process of a split holds (shapes only).
 
-    Invariant: ``"cpu"`` only on the CPU with bfloat16 activations and the
+    Invariant: ``"cpu"`` only on the CPU, on a fast compute path, with the
     kernels built; ``"triton"`` only on CUDA.
     """
 
@@ -34,15 +35,16 @@ class Backend:
     kernels: str
 
     @classmethod
-    def choose(cls, device: torch.device | str, activations: torch.dtype) -> "Backend":
-        """The one place the kernels are decided (the CPU kernels build on
-        first use; a failed build was logged, and the torch ops serve)."""
+    def choose(cls, device: torch.device | str, activations: torch.dtype, fast: bool = True) -> "Backend":
+        """The one place the kernels are decided: ``fast`` (a compute path
+        other than the exact one, see ``compute_path``) takes the CPU kernels
+        where they built (a failed build was logged, and the torch ops serve)."""
         device = torch.device(device)
         if device.type == "meta":
             kernels = "meta"
         elif device.type == "cuda":
             kernels = "triton"
-        elif activations == torch.bfloat16 and cpu_kernels.available():
+        elif fast and cpu_kernels.available():
             kernels = "cpu"
         else:
             kernels = "torch"

@@ -18,7 +18,8 @@ from .errors import ContextLengthError, StrataError
 from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache
-from .loader import DTYPES, build_model, open_model
+from .compute_path import DTYPE_NAMES
+from .loader import build_model, open_model
 from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split
 from .placement import Placement
 from .memory import MiB, HostMemory
@@ -31,7 +32,7 @@ from .tokenizer import Tokenizer
 class EngineConfig:
     """The settings of one engine, fixed at load time."""
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: the fastest path whose accuracy holds; float32: the exact path (compute_path.py)
     device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
     kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU, bfloat16 with dtype=bfloat16), int8, k8v4
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
@@ -49,8 +50,8 @@ class EngineConfig:
     progress: bool = True  # progress bars while assembling and loading
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if not isinstance(self.context_length, int) or self.context_length < 1:
             raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -118,7 +119,8 @@ class Completion:
 def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **options: Any) -> "Engine":
     """Load a GGUF model (``path=None``: the embedded default model).
 
-    Options: see ``EngineConfig`` (``dtype="float32"`` is the exact path).
+    Options: see ``EngineConfig`` (the default ``dtype="auto"`` is the
+    fastest path whose accuracy holds; ``dtype="float32"`` the exact one).
     ``memory`` is the host telemetry the staging pool is admitted against
     (default: this host's ``/proc`` and cgroup files).
     """
@@ -307,7 +309,8 @@ class Engine:
             "max_prompt_chars": self.max_prompt_chars(),
             "model_context_length": c.context_length,
             "vocab_size": self.tokenizer.vocab.size,
-            "dtype": self.config.dtype,
+            "dtype": self.model.compute_path.name,
+            "compute_path": self._compute_path_state(),
             "device": str(self.model.device),
             "stages": self._stages(),
             "backend": [b.describe() for b in self.model.backends if b.kernels != "meta"],
@@ -323,20 +326,21 @@ class Engine:
 
     # --- internals --------------------------------------------------------
 
+    def _compute_path_state(self) -> dict[str, str]:
+        """What ``dtype`` resolved to here, and why (``compute_path``)."""
+        path = self.model.compute_path
+        return {"requested": path.requested, "activations": path.name, "reason": path.reason}
+
     def _cpu_kernels_state(self) -> str:
-        """Whether the bfloat16 CPU path reads GGUF blocks ("built for
-        -march=native: avx512, bf16 dot product"), fell back to dense weights
-        because the kernels could not be built (the reason), or does not use
-        them ("unused": float32, or a GPU)."""
-        if self.config.dtype != "bfloat16" or self.model.device.type != "cpu":
+        """Which build of the CPU kernels reads the GGUF blocks ("avx2 (this
+        CPU runs avx512, avx2, generic): ..."), why they did not build, or
+        "unused" (the exact path, or a GPU)."""
+        if not any(b.kernels == "cpu" for b in self.model.backends) and (
+                not self.model.compute_path.fast or self.model.device.type != "cpu"):
             return "unused"
         from strata_kernels import cpu_kernels
 
-        if not cpu_kernels.available():
-            return f"not built: {cpu_kernels.build_error()}"
-        built = cpu_kernels.kernels()
-        return (f"built for -march={cpu_kernels.target()}: {built.simd}"
-                + (", bf16 dot product" if built.bf16_dot else ""))
+        return cpu_kernels.describe()
 
     def max_prompt_chars(self) -> int:
         """Text longer than this cannot fit the context, whatever it says."""

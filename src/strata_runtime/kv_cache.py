@@ -175,9 +175,9 @@ def store_fields(store: KVStore) -> dict[str, torch.Tensor]:
 
 
 def f16_storage_dtype(device: torch.device | str, activations: torch.dtype = torch.float32) -> torch.dtype:
-    """How the f16 KV format is stored: float16 on a GPU; on the CPU in the
-    activations' dtype: bfloat16 on the fast path (lossless, the values are
-    bfloat16 already), float32 on the exact path."""
+    """How the f16 KV format is stored: float16 on a GPU; on the CPU as
+    ``activations`` says (a ``ComputePath.kv_float``): bfloat16 on a fast
+    path, float32 on the exact path."""
     if torch.device(device).type == "cuda":
         return torch.float16
     return torch.bfloat16 if activations == torch.bfloat16 else torch.float32

@@ -19,14 +19,11 @@ from tqdm.auto import tqdm
 from strata_kernels import QuantTensor
 
 from .backend import Backend
+from .compute_path import ComputePath, resolve
 from .gguf_file import GGUFFile
 from .models import model_module
 from .placement import EMBEDDING, Placement
 
-# float32: the exact path. bfloat16: the fast path (bf16 activations, weights
-# kept as GGUF blocks for the compiled CPU kernels; its error against float32
-# is measured in tests/test_fast_path.py).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class OpenedModel:
@@ -63,10 +60,11 @@ class Weights:
     device ``name`` is placed on, chosen once per device.
     """
 
-    def __init__(self, gguf: GGUFFile, placement: Placement, activations: torch.dtype, bar=None):
+    def __init__(self, gguf: GGUFFile, placement: Placement, path: ComputePath, bar=None):
         self.gguf = gguf
         self.placement = placement
-        self.activations = activations
+        self.path = path
+        self.activations = path.activations
         self._names = set(gguf.tensor_names())
         self._loaded: dict[tuple[str, torch.device], QuantTensor] = {}
         self._backends: dict[torch.device, Backend] = {}
@@ -92,7 +90,7 @@ class Weights:
     def backend(self, name: str, head: bool = False) -> Backend:
         device = self.placement.device_of(name, head)
         if device not in self._backends:
-            self._backends[device] = Backend.choose(device, self.activations)
+            self._backends[device] = Backend.choose(device, self.activations, self.path.fast)
         return self._backends[device]
 
     def backends(self) -> list[Backend]:
@@ -105,13 +103,17 @@ class Weights:
 
 def build_model(opened: OpenedModel, placement: Placement, dtype: str, progress: bool, desc: str):
     """``opened.module.Model`` over the file's tensors, each on its placed
-    device, with a progress bar over the tensors read."""
+    device, with a progress bar over the tensors read. ``dtype`` (see
+    ``compute_path``) is resolved on the first stage's device; the model
+    keeps the result as ``compute_path``."""
+    path = resolve(dtype, placement.stage_devices[0])
     names = opened.gguf.tensor_names()
     with tqdm(total=len(names), desc=desc, unit="tensor", disable=not progress) as bar:
-        weights = Weights(opened.gguf, placement, DTYPES[dtype], bar)
+        weights = Weights(opened.gguf, placement, path, bar)
         with torch.inference_mode():
             model = opened.module.Model(opened.args, weights)
     model.placement = placement
-    model.activations = DTYPES[dtype]
+    model.activations = path.activations
+    model.compute_path = path
     model.backends = weights.backends()
     return model

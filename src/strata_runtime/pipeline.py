@@ -26,7 +26,8 @@ from torch import nn
 from .errors import StrataError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, f16_storage_bytes
-from .loader import DTYPES, open_model
+from .compute_path import resolve
+from .loader import open_model
 from .memory import HostMemory, MiB
 from .models.decoder import finish
 from .state import LayerState, kv_bytes
@@ -120,13 +121,13 @@ def _model_bytes(gguf: GGUFFile) -> _ModelBytes:
 def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | Sequence[int] | None,
                context: int, kv: str = "f16", reserve_bytes: int = DEFAULT_RESERVE,
                memory: HostMemory | None = None, free_bytes: Sequence[int] | None = None,
-               dtype: str = "float32") -> list[StagePlan]:
+               dtype: str = "auto") -> list[StagePlan]:
     """The stages for ``devices`` and ``layer_split`` (see the module docstring).
     ``free_bytes``: each device's free memory when measured elsewhere (each
     rank of a split across processes measures its own). ``dtype``: the
     activations, which decide how f16 KV is stored on a CPU stage."""
-    activations = DTYPES[dtype]
     devices = parse_devices(devices)
+    kv_float = resolve(dtype, devices[0]).kv_float
     split = parse_layer_split(layer_split)
     mb = _model_bytes(gguf)
     n = len(mb.per_layer)
@@ -146,7 +147,7 @@ def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | 
         layers = range(edges[i], edges[i + 1])
         weights = sum(mb.per_layer[j] for j in layers)
         weights += (mb.first_extra if i == 0 else 0) + (mb.last_extra if i == len(devices) - 1 else 0)
-        float_bytes = f16_storage_bytes(device, activations)
+        float_bytes = f16_storage_bytes(device, kv_float)
         stages.append(StagePlan(device, layers, weights, kv_bytes([mb.spec[j] for j in layers], context, kv,
                                                                   float_bytes)))
     return stages
@@ -228,6 +229,10 @@ class Pipeline(nn.Module):
     @property
     def backends(self):
         return self.model.backends
+
+    @property
+    def compute_path(self):
+        return self.model.compute_path
 
     @property
     def device(self) -> torch.device:

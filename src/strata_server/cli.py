@@ -42,8 +42,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default=os.environ.get("STRATA_MODEL"),
                    help="path of a .gguf file (default: the embedded Gemma 3 270M)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="float32: exact; bfloat16: the fast CPU path (bf16 weights, int8 output head)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto (default): the fastest path whose accuracy holds (CPU kernels on GGUF blocks, "
+                        "or Triton on a GPU); float32: the exact reference path; bfloat16: the kernels with "
+                        "bfloat16 activations")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (on a GPU, matmuls read the GGUF blocks)")
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")
@@ -151,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--layer-split", default=None,
                       help="first layer of each stage after the first (e.g. 9), or auto (default with --devices)")
     info.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV format of the planned split")
-    info.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                      help="the path whose KV storage to count: f16 KV is float32 on the exact CPU path, "
-                           "bfloat16 on the fast one, float16 on a GPU (default float32)")
+    info.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                      help="the path whose KV storage to count: f16 KV is stored in the activations' dtype on "
+                           "a CPU (float32 or bfloat16; auto picks per CPU), float16 on a GPU (default auto)")
     info.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     return parser
 
@@ -303,7 +305,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
 
     from strata_runtime.kv_cache import f16_storage_bytes, f16_storage_dtype
-    from strata_runtime.loader import DTYPES, open_model
+    from strata_runtime.compute_path import resolve
+    from strata_runtime.loader import open_model
     from strata_runtime.state import kv_bytes, kv_bytes_per_token
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
@@ -324,8 +327,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("tensors:")
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")
-    storage = f16_storage_dtype(args.device, DTYPES[args.dtype])
-    float_bytes = f16_storage_bytes(args.device, DTYPES[args.dtype])
+    kv_float = resolve(args.dtype, args.device).kv_float
+    storage = f16_storage_dtype(args.device, kv_float)
+    float_bytes = f16_storage_bytes(args.device, kv_float)
     print(f"KV cache for a context of {context} tokens (all layers, scales included; f16 stored as "
           f"{str(storage).removeprefix('torch.')} with --dtype {args.dtype} on {args.device}):")
     spec = open_model(gguf).state_spec  # what each layer keeps, as the model declares it

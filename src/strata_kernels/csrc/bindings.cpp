@@ -4,7 +4,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("gemv", &strata_cpu::gemv, "x @ W_i.T for GGUF blocks W_i and 1..8 rows of x, in one pass",
+  m.def("gemv", &strata_cpu::gemv, "x @ W_i.T for GGUF blocks W_i and 1..8 rows of x, by integer dot products",
         py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("K"));
   m.def("dequantize", &strata_cpu::dequantize, "GGUF blocks into a dense float32 or bfloat16 tensor");
   m.def("rms_norm", &strata_cpu::rms_norm, "RMSNorm (none without a weight), optionally then RoPE and a residual add", py::arg("x"),
@@ -18,5 +18,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate"), py::arg("up"), py::arg("act"));
   m.attr("max_m") = strata_cpu::kMaxM;
   m.attr("simd") = strata_cpu::kSimd;  // the Lanes the kernels were built with
-  m.attr("bf16_dot") = strata_cpu::kBf16DotBuilt;
 }

@@ -11,9 +11,11 @@ namespace strata_cpu {
 
 constexpr int kMaxM = 8;  // rows of x one GEMV pass handles
 
-// gguf_cpu.cpp: GGUF blocks.
+// qdot_cpu.cpp: y_i = x @ W_i.T for GGUF blocks W_i and 1..kMaxM rows of x,
+// by integer dot products against 16-bit codes of x.
 std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> blocks, std::vector<int64_t> qtypes,
                                 int64_t K);
+// dequant_cpu.cpp: GGUF blocks into a dense tensor, bit-exact with gguf-py.
 void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor out);
 
 // decode_cpu.cpp: the small operations of a decode step.

@@ -1,4 +1,4 @@
-// Sixteen float32 lanes of SIMD, shared by the CPU kernels (gguf_cpu.cpp,
+// Sixteen float32 lanes of SIMD, shared by the CPU kernels (dequant_cpu.cpp,
 // decode_cpu.cpp). Plain C++ loops over float reductions do not vectorize
 // without -ffast-math (which would break gguf-py's bit-exact rounding), so
 // the hot loops say how, through this struct.
@@ -17,14 +17,6 @@
 namespace strata_cpu {
 
 constexpr int kLanes = 16;
-
-// The GEMV's bf16 dot-product loop (gguf_cpu.cpp, gemv_rows_bf16) needs these.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define STRATA_BF16_DOT 1
-constexpr bool kBf16DotBuilt = true;
-#else
-constexpr bool kBf16DotBuilt = false;
-#endif
 
 // e^x lane by lane through std::exp, where no SIMD exp is written.
 template <class L>

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..compute_path import EXACT, ComputePath
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..layers import TiedEmbedding
@@ -95,9 +96,11 @@ class DecoderModel(nn.Module):
     outside (``pipeline.Pipeline``, ``ranks``)."""
 
     embed_scale: float = 1.0  # the embeddings are multiplied by this (Gemma: sqrt(hidden))
-    # Set by the loader: where each tensor lives, and the activations' dtype.
+    # Set by the loader: where each tensor lives, the activations' dtype, and
+    # the compute path that chose it.
     placement = None
     activations: torch.dtype = torch.float32
+    compute_path: ComputePath = EXACT
     backends: list = []  # one per device this process holds a part on
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -126,7 +129,8 @@ class DecoderModel(nn.Module):
     def new_cache(self, max_tokens: int, kv: str) -> KVCache:
         """An empty cache for ``max_tokens`` positions in KV format ``kv``,
         laid out by ``state_spec()`` on the loader's placement."""
-        return KVCache.for_placement(kv, self.state_spec(), self.placement, max_tokens, self.activations)
+        return KVCache.for_placement(kv, self.state_spec(), self.placement, max_tokens,
+                                      self.compute_path.kv_float)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 last_only: bool = False) -> torch.Tensor:

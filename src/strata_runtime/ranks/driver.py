@@ -70,6 +70,10 @@ class RankPipeline(nn.Module):
         return self.model.backends
 
     @property
+    def compute_path(self):
+        return self.model.compute_path
+
+    @property
     def last_rank(self) -> int:
         return len(self.stages) - 1
 

@@ -64,7 +64,8 @@ class Follower:
             x = self.wire.recv_tensor((cmd["tokens"], self.model.hidden_size), getattr(torch, cmd["dtype"]),
                                       self.rank - 1)
             try:
-                x = self._run_layers(cmd, x.to(self.device))
+                # Each host resolves dtype="auto" for its own CPU: the stream arrives in the sender's dtype.
+                x = self._run_layers(cmd, x.to(self.device, self.model.activations))
             except Exception as e:  # reported to rank 0, which raises it into the request
                 log.exception("rank %d: forward failed", self.rank)
                 error = f"{type(e).__name__}: {first_line(e)}"

@@ -1,0 +1,97 @@
+"""Which compute path a ``dtype`` setting means on a device, decided once at
+load and reported by ``props()``:
+
+- ``"auto"`` (the default): the fastest path whose accuracy holds. On a CPU,
+  the compiled kernels reading GGUF blocks, with bfloat16 activations where
+  the CPU does bfloat16 arithmetic (the kernels' ``avx512`` variant on a CPU
+  with the bf16 dot product) and float32 activations elsewhere (AVX2 has no
+  bfloat16 arithmetic: torch would convert every element twice); the exact
+  path if the kernels cannot be built here. On CUDA, the Triton kernels with
+  bfloat16 activations.
+- ``"bfloat16"``: the kernels with bfloat16 activations, on any CPU.
+- ``"float32"``: the exact reference path (weights dequantized to float32
+  once, torch ops) on a CPU; Triton with float32 activations on CUDA.
+
+The fast paths' distance from the exact one is measured in
+``tests/test_fast_path.py`` (top-1 agreement, mean KL, greedy tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ComputePath:
+    """A resolved ``dtype``: the activations' dtype, whether weights stay
+    GGUF blocks read by kernels (``fast``) rather than dense exact copies,
+    and the reason, in words, for ``props()``.
+
+    Invariant: ``activations`` is float32 or bfloat16; ``fast`` is False only
+    on a CPU (every GPU path reads blocks).
+    """
+
+    requested: str
+    activations: torch.dtype
+    fast: bool
+    reason: str
+
+    @property
+    def kv_float(self) -> torch.dtype:
+        """What the f16 KV format is stored as on a CPU (``f16_storage_dtype``):
+        bfloat16 on a fast path, float32 activations included (half the bytes
+        a decode step's attention reads; each key and value rounded once),
+        float32 on the exact path."""
+        return torch.bfloat16 if self.fast else torch.float32
+
+    @property
+    def name(self) -> str:
+        """``"auto"`` resolved: the activations' dtype name."""
+        return str(self.activations).removeprefix("torch.")
+
+
+EXACT = ComputePath("float32", torch.float32, False, "the exact path (dense float32 weights)")
+
+
+def has_bf16_arithmetic() -> bool:
+    """Whether this process runs the kernels' avx512 build on a CPU with the
+    bf16 dot product (so torch's bfloat16 GEMMs and ops are fast here too)."""
+    from strata_kernels import cpu_kernels
+
+    return cpu_kernels.isa() == "avx512" and "avx512_bf16" in cpu_kernels.cpu_flags()
+
+
+def resolve(dtype: str, device: torch.device | str) -> ComputePath:
+    """``dtype`` (one of ``DTYPE_NAMES``) on ``device`` (the first stage's,
+    for a split: activations cross stages in one dtype)."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+    kind = torch.device(device).type
+    if kind != "cpu":
+        activations = torch.float32 if dtype == "float32" else torch.bfloat16
+        why = "asked for" if dtype != "auto" else "auto: bfloat16 on a GPU"
+        return ComputePath(dtype, activations, True, f"{why}; Triton kernels on GGUF blocks")
+    if dtype == "float32":
+        return ComputePath(dtype, torch.float32, False, "asked for: the exact path (dense float32 weights)")
+
+    from strata_kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        why = f"the CPU kernels could not be built ({cpu_kernels.build_error()})"
+        if dtype == "auto":
+            return ComputePath(dtype, torch.float32, False, f"auto: {why}, so the exact float32 path")
+        return ComputePath(dtype, torch.bfloat16, False, f"asked for; {why}, so dense bfloat16 weights")
+    isa = cpu_kernels.isa()
+    if dtype == "bfloat16":
+        return ComputePath(dtype, torch.bfloat16, True, f"asked for; CPU kernels ({isa}) on GGUF blocks")
+    if has_bf16_arithmetic():
+        return ComputePath(dtype, torch.bfloat16, True,
+                           "auto: CPU kernels (avx512) on GGUF blocks, bfloat16 activations (this CPU has "
+                           "the bf16 dot product)")
+    return ComputePath(dtype, torch.float32, True,
+                       f"auto: CPU kernels ({isa}) on GGUF blocks, float32 activations (no bfloat16 "
+                       "arithmetic on this CPU)")

@@ -80,10 +80,11 @@ struct Lanes {
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
   }
   static Lanes load(const float* x) { return {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)}; }
-  static Lanes load(const c10::BFloat16* x) {
-    alignas(64) float t[16];
-    for (int i = 0; i < 16; ++i) t[i] = float(x[i]);
-    return load(t);
+  static Lanes load(const c10::BFloat16* x) {  // bfloat16 -> float32: the bits, 16 places up
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i lo32 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits)), 16);
+    const __m256i hi32 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)), 16);
+    return {_mm256_castsi256_ps(lo32), _mm256_castsi256_ps(hi32)};
   }
   void store(float* o) const {
     _mm256_storeu_ps(o, lo);
@@ -101,7 +102,26 @@ struct Lanes {
     r = _mm_hadd_ps(r, r);
     return _mm_cvtss_f32(r);
   }
-  Lanes exp() const { return exp_each(*this); }
+  // e^v as the AVX-512 Lanes computes it, with 2^n built in the exponent
+  // bits: v is clamped to [-87, 88] so that n stays a normal exponent
+  // (e^-87 ~ 1.6e-38 stands for 0, e^88 ~ 1.7e38 for overflow; softmax and
+  // the gated activations cannot tell).
+  static __m256 exp8(__m256 v) {
+    const __m256 c = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+  }
+  Lanes exp() const { return {exp8(lo), exp8(hi)}; }
 };
 #else
 constexpr const char* kSimd = "scalar";

@@ -2,11 +2,12 @@
 load and reported by ``props()``:
 
 - ``"auto"`` (the default): the fastest path whose accuracy holds. On a CPU,
-  the compiled kernels reading GGUF blocks, with bfloat16 activations where
-  the CPU does bfloat16 arithmetic (the kernels' ``avx512`` variant on a CPU
-  with the bf16 dot product) and float32 activations elsewhere (AVX2 has no
-  bfloat16 arithmetic: torch would convert every element twice); the exact
-  path if the kernels cannot be built here. On CUDA, the Triton kernels with
+  the compiled kernels reading GGUF blocks with float32 activations (within
+  KL 0.0003 of the exact path on the reference texts; bfloat16 activations,
+  10-20x further off, made a seeded request's text depend on whether its
+  prefix came from the conversation cache, since a decode step and a prefill
+  chunk compute a position with different arithmetic); the exact path if
+  the kernels cannot be built here. On CUDA, the Triton kernels with
   bfloat16 activations.
 - ``"bfloat16"``: the kernels with bfloat16 activations, on any CPU.
 - ``"float32"``: the exact reference path (weights dequantized to float32
@@ -57,14 +58,6 @@ class ComputePath:
 EXACT = ComputePath("float32", torch.float32, False, "the exact path (dense float32 weights)")
 
 
-def has_bf16_arithmetic() -> bool:
-    """Whether this process runs the kernels' avx512 build on a CPU with the
-    bf16 dot product (so torch's bfloat16 GEMMs and ops are fast here too)."""
-    from strata_kernels import cpu_kernels
-
-    return cpu_kernels.isa() == "avx512" and "avx512_bf16" in cpu_kernels.cpu_flags()
-
-
 def resolve(dtype: str, device: torch.device | str) -> ComputePath:
     """``dtype`` (one of ``DTYPE_NAMES``) on ``device`` (the first stage's,
     for a split: activations cross stages in one dtype)."""
@@ -88,10 +81,5 @@ def resolve(dtype: str, device: torch.device | str) -> ComputePath:
     isa = cpu_kernels.isa()
     if dtype == "bfloat16":
         return ComputePath(dtype, torch.bfloat16, True, f"asked for; CPU kernels ({isa}) on GGUF blocks")
-    if has_bf16_arithmetic():
-        return ComputePath(dtype, torch.bfloat16, True,
-                           "auto: CPU kernels (avx512) on GGUF blocks, bfloat16 activations (this CPU has "
-                           "the bf16 dot product)")
     return ComputePath(dtype, torch.float32, True,
-                       f"auto: CPU kernels ({isa}) on GGUF blocks, float32 activations (no bfloat16 "
-                       "arithmetic on this CPU)")
+                       f"auto: CPU kernels ({isa}) on GGUF blocks, float32 activations")

@@ -148,7 +148,12 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> weight, dou
 namespace {
 
 constexpr int kMaxGroup = 8;  // query heads per KV head handled together
-constexpr int kTile = 4;      // Lanes of the head dim per pass over V (accumulators stay in registers)
+// Lanes of the head dim per pass over V for G heads: as many as keep the G x
+// tiles accumulators in registers (about 24 zmm of AVX-512's 32, 12 ymm of
+// AVX2's 16; beyond that every multiply-add spilled to the stack: AVX2 decode
+// attention ran 4x slower with 4 tiles for 3 heads).
+template <int G>
+constexpr int kTiles = std::max(1, std::min(4, (kRegistersPerLanes == 1 ? 24 : 12) / (G * kRegistersPerLanes)));
 
 // sum_j e[g][j] * v_j over a chunk's rows for dims d0..d0+TILES*kLanes-1,
 // the G x TILES accumulators in registers while the rows stream past.
@@ -218,8 +223,8 @@ void attend_chunk(const float* q, const KV* k, const KV* v, const int64_t* slots
     sum_out[g] = total.sum();
   }
   int64_t d0 = 0;
-  for (; d0 + kTile * kLanes <= D; d0 += kTile * kLanes)
-    weighted_values<G, kTile>(v, slots, len, Hkv, hk, D, d0, p, acc_out);
+  for (; d0 + kTiles<G> * kLanes <= D; d0 += kTiles<G> * kLanes)
+    weighted_values<G, kTiles<G>>(v, slots, len, Hkv, hk, D, d0, p, acc_out);
   for (; d0 < D; d0 += kLanes) weighted_values<G, 1>(v, slots, len, Hkv, hk, D, d0, p, acc_out);
 }
 

@@ -32,6 +32,7 @@ L exp_each(const L& x) {
 // int8 -> float vector conversions into 16 scalar ones unless told how.)
 #if defined(__AVX512F__)
 constexpr const char* kSimd = "avx512";
+constexpr int kRegistersPerLanes = 1;  // of 32 zmm
 struct Lanes {
   __m512 v;
   static Lanes zero() { return {_mm512_setzero_ps()}; }
@@ -69,6 +70,7 @@ struct Lanes {
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr const char* kSimd = "avx2";
+constexpr int kRegistersPerLanes = 2;  // of 16 ymm
 struct Lanes {
   __m256 lo, hi;
   static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -125,6 +127,7 @@ struct Lanes {
 };
 #else
 constexpr const char* kSimd = "scalar";
+constexpr int kRegistersPerLanes = 1;  // the compiler decides
 struct Lanes {
   float v[16];
   static Lanes zero() { return Lanes{}; }

@@ -1,6 +1,7 @@
 """Where a CPU decode step's time goes, on the default model's fast path.
 
-    python bench/decode_step.py [--threads 2] [--context 2000] [--steps 64]
+    python bench/decode_step.py [--model PATH] [--dtype auto] [--threads 2]
+                                [--context 2000] [--steps 64]
 
 Prefills ``--context`` tokens, then times ``--steps`` decode steps, with each
 kind of compiled-kernel call timed as it happens: the output head's GEMV,
@@ -26,6 +27,8 @@ from e2e import long_prompt_ids  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=64)
@@ -37,7 +40,7 @@ def main() -> None:
     from strata_runtime.generation import decode_step, prefill
     from strata_runtime.sampling import Sampler, SamplingParams
 
-    engine = strata_runtime.load(dtype="bfloat16", progress=False, conversation_cache_mib=0,
+    engine = strata_runtime.load(args.model, dtype=args.dtype, progress=False, conversation_cache_mib=0,
                                  context_length=args.context + args.steps + 8)
     head = engine.model.embedding.out.qweight
     spent: collections.Counter = collections.Counter()
@@ -55,12 +58,12 @@ def main() -> None:
 
     # The module's functions are looked up at call time, so wrapping them here
     # times every call the model makes.
-    cpu_kernels.gemv = timed(lambda x, qt: "head GEMV" if qt is head else "layer GEMVs", cpu_kernels.gemv)
-    cpu_kernels.gemv_many = timed(lambda *a: "layer GEMVs", cpu_kernels.gemv_many)
+    cpu_kernels.gemv_blocks = timed(lambda x, blocks, types: "head GEMV" if blocks[0] is head.data else "layer GEMVs",
+                                    cpu_kernels.gemv_blocks)
     cpu_kernels.attention_decode = timed(lambda *a: "attention", cpu_kernels.attention_decode)
     cpu_kernels.rms_norm = timed(lambda *a: "norms (+RoPE, residual)", cpu_kernels.rms_norm)
 
-    prompt = long_prompt_ids(engine, args.context)
+    prompt = long_prompt_ids(engine, args.context, 0)
     cache = engine.new_cache(len(prompt) + args.steps + 8)  # 4 warm-up steps too
     with torch.inference_mode():
         logits = prefill(engine.model, cache, prompt)
@@ -75,6 +78,7 @@ def main() -> None:
             token = int(logits.argmax())
         total = (time.perf_counter() - t0) / args.steps
 
+    print(engine.props()["compute_path"]["reason"])
     print(f"decode step at {args.context} tokens of context, {args.threads} threads, "
           f"mean of {args.steps} steps: {total * 1e3:.2f} ms ({1 / total:.1f} tokens/s)")
     print(f"{'part':<26} {'ms/token':>9} {'calls/token':>12} {'share':>6}")
@@ -84,7 +88,7 @@ def main() -> None:
     rest = total - sum(spent.values()) / args.steps
     print(f"{'the rest (Python, glue)':<26} {rest * 1e3:>9.2f} {'':>12} {rest / total:>6.0%}")
 
-    print("\nsampling from the last step's logits (262,144 of them), ms per token:")
+    print(f"\nsampling from the last step's logits ({logits.numel():,} of them), ms per token:")
     history = prompt[-64:]
     settings = {
         "greedy (temperature 0)": SamplingParams(temperature=0),

@@ -95,7 +95,8 @@ def write_and_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """``kv_write_consecutive(store, start, keys, values)`` then ``attention(q,
     store, start, window, scale)``: a layer's step. On the CPU kernel's decode
     case the two are one call (the kernel writes the row it is about to read)."""
-    cpu = resolve_backend(q.device, backend) == "cpu"
+    # backend "cpu" on a CPU tensor is what the fast path asks every step: known without resolve_backend's checks.
+    cpu = (backend == "cpu" and q.device.type == "cpu") or resolve_backend(q.device, backend) == "cpu"
     if cpu and _cpu_decode(q, store) and keys.shape == values.shape == (1, store.kv_heads, store.head_dim):
         from . import cpu_kernels
 

@@ -168,6 +168,16 @@ def kernels():
     return kernels_for(isa())
 
 
+def built():
+    """``kernels()``, or a RuntimeError that says why they did not build and
+    what to do (the functions below call through this)."""
+    module = kernels()
+    if module is None:
+        raise RuntimeError(f"the CPU kernels could not be built here ({build_error()}); "
+                           "install a C++ compiler and ninja, or use backend='torch'")
+    return module
+
+
 def available() -> bool:
     return kernels() is not None
 
@@ -205,20 +215,33 @@ def gemv(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     with one scale per 32 columns (each value within 2^-16 of its group's
     largest, finer than bfloat16's rounding), products summed in int32 per
     32 weights, then scaled and accumulated in float32."""
-    return kernels().gemv(x, [qt.data], [int(qt.qtype)], qt.cols)[0]
+    return built().gemv(x, [qt.data], [int(qt.qtype)], qt.cols)[0]
 
 
 def gemv_many(x: torch.Tensor, weights: list[QuantTensor]) -> list[torch.Tensor]:
     """``[x @ W.T for W in weights]`` in one call and one parallel region
     (the q/k/v or gate/up projections of a decode step), same contract as
     ``gemv``; the weights may be of different types."""
-    return kernels().gemv(x, [w.data for w in weights], [int(w.qtype) for w in weights], x.shape[-1])
+    return gemv_blocks(x, *gemv_arguments(weights))
+
+
+def gemv_arguments(weights: list[QuantTensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """What ``gemv_blocks`` takes for ``weights``: made once per layer, not per step."""
+    for w in weights:
+        check_supported(w)
+    return [w.data for w in weights], [int(w.qtype) for w in weights]
+
+
+def gemv_blocks(x: torch.Tensor, blocks: list[torch.Tensor], qtypes: list[int]) -> list[torch.Tensor]:
+    """``gemv_many`` on ``gemv_arguments``' lists (x float32 or bfloat16, at
+    most ``CPU_GEMV_MAX_M`` rows): the kernel call and nothing else."""
+    return built().gemv(x, blocks, qtypes, x.shape[-1])
 
 
 def dequantize_into(qt: QuantTensor, out: torch.Tensor) -> torch.Tensor:
     """Write the dense 2-D ``qt`` into ``out`` (float32 or bfloat16, ``[N, K]``).
     float32 values equal ``gguf.quants.dequantize`` bit for bit."""
-    kernels().dequantize(qt.data, int(qt.qtype), qt.cols, out)
+    built().dequantize(qt.data, int(qt.qtype), qt.cols, out)
     return out
 
 
@@ -256,7 +279,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     embedding; then, with ``residual``, ``residual + result``. Float32 inside,
     rounded once to x's dtype."""
     cos, sin = rope if rope is not None else (None, None)
-    return kernels().rms_norm(x.contiguous(), weight, eps, residual, cos, sin)
+    return built().rms_norm(x.contiguous(), weight, eps, residual, cos, sin)
 
 
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, window: int | None,
@@ -267,23 +290,23 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     window + 1)`` (0 without a window) on; ``[H, D]`` float32. With ``new_k``
     and ``new_v`` (``[1, Hkv, D]``), the query's own key and value are written
     into its slot first. Each K and V row is read once; D a multiple of 16."""
-    return kernels().attention_decode(q.contiguous(), k, v, position, window, scale, new_k, new_v)
+    return built().attention_decode(q.contiguous(), k, v, position, window, scale, new_k, new_v)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The NEOX rotary embedding of ``x`` ``[T, H, D]`` (float32 or bfloat16)
     by float32 cos/sin ``[T, 1, D]``, in one call, float32 inside, rounded
     once to x's dtype (``rms_norm``'s rotation without the norm)."""
-    return kernels().rms_norm(x.contiguous(), None, 0.0, None, cos, sin)
+    return built().rms_norm(x.contiguous(), None, 0.0, None, cos, sin)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` (float32 or bfloat16, one shape
     and dtype) in one call, float32 inside, rounded once."""
-    return kernels().gated_mul(gate, up, 0)
+    return built().gated_mul(gate, up, 0)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (float32 or bfloat16, one shape and dtype) in one
     call, float32 inside, rounded once."""
-    return kernels().gated_mul(gate, up, 1)
+    return built().gated_mul(gate, up, 1)

@@ -34,32 +34,50 @@ class Linear(nn.Module):
             self.qweight = weight
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
-        # Blocks read by the compiled CPU kernels (see ``linears``).
+        # Blocks read by the compiled CPU kernels (see ``Projections``).
         self.cpu_blocks = self.qweight is not None and backend.cpu_kernels
-        # On the CPU, the kernel directly: qmatmul's checks held here once, and
-        # at decode sizes they would cost a tenth of the product.
-        self._matmul = cpu_kernels.qmatmul_cpu if self.cpu_blocks else qmatmul
+        self.projection = Projections(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, x.shape[-1])
-        return self.add_bias(self._matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows))
+        return self.projection(x)[0]
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` by ``F.linear`` or ``qmatmul`` (without ``Projections``' GEMV call)."""
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        matmul = cpu_kernels.qmatmul_cpu if self.cpu_blocks else qmatmul
+        return self.add_bias(matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows))
 
-def linears(x: torch.Tensor, *layers: Linear) -> list[torch.Tensor]:
-    """``[layer(x) for layer in layers]`` for layers that read the same input
-    (q/k/v, gate/up). When all hold CPU blocks and ``x`` is a decode step's
-    few rows, one kernel call computes them all: one pass over ``x`` and one
-    parallel region instead of one each."""
-    rows = x.numel() // x.shape[-1]
-    if rows <= CPU_GEMV_MAX_M and all(layer.cpu_blocks for layer in layers):
-        outs = cpu_kernels.gemv_many(x.reshape(rows, x.shape[-1]), [layer.qweight for layer in layers])
-        return [layer.add_bias(y.reshape(*x.shape[:-1], y.shape[-1])) for layer, y in zip(layers, outs)]
-    return [layer(x) for layer in layers]
+
+class Projections:
+    """``Projections(*layers)(x) == [layer.matmul(x) for layer in layers]`` for
+    linear layers that read the same input (q/k/v, gate/up, or one layer).
+    When all hold CPU blocks and ``x`` is a decode step's few float32 or
+    bfloat16 rows, one GEMV call computes them all: one pass over ``x``, one
+    parallel region, and the kernel's arguments made here once (at decode
+    sizes, building them per call cost a tenth of the product).
+
+    Invariant: ``blocks`` is None or the layers' blocks and GGML type ids in
+    order, as ``cpu_kernels.gemv_blocks`` takes them."""
+
+    def __init__(self, *layers: Linear):
+        self.layers = layers
+        self.blocks = None
+        if all(layer.cpu_blocks for layer in layers):
+            self.blocks = cpu_kernels.gemv_arguments([layer.qweight for layer in layers])
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = x.numel() // x.shape[-1]
+        if self.blocks is None or rows > CPU_GEMV_MAX_M or x.dtype not in (torch.float32, torch.bfloat16):
+            return [layer.matmul(x) for layer in self.layers]
+        outs = cpu_kernels.gemv_blocks(x.reshape(rows, x.shape[-1]), *self.blocks)
+        if len(x.shape) != 2:
+            outs = [y.reshape(*x.shape[:-1], y.shape[-1]) for y in outs]
+        return [layer.add_bias(y) for layer, y in zip(self.layers, outs)]
 
 
 class TiedEmbedding(nn.Module):
@@ -160,17 +178,27 @@ class RopeCache:
 
     Invariant: ``positions`` are consecutive (a step's ``start..start+T-1``),
     so ``(start, T, dtype, device)`` names the tables; ``latest`` holds that
-    key and its tables.
+    key, the positions tensor it was read from (kept, so no other tensor
+    takes its identity; positions are never changed in place), the dtype,
+    and the tables.
     """
 
     def __init__(self):
         self.latest = None
 
     def tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        # The same positions tensor reaches every layer of a step: found by
+        # identity before reading its first value (a tensor read per layer
+        # costs a microsecond on the CPU, a device sync on a GPU).
+        if self.latest is not None and self.latest[1] is positions and self.latest[2] == dtype \
+                and self.latest[0][3] == inv_freq.device:
+            return self.latest[3]
         key = (int(positions[0]), positions.shape[0], dtype, inv_freq.device)
         if self.latest is None or self.latest[0] != key:
-            self.latest = (key, rope_tables(positions, inv_freq, dtype))
-        return self.latest[1]
+            self.latest = (key, positions, dtype, rope_tables(positions, inv_freq, dtype))
+        else:
+            self.latest = (key, positions, dtype, self.latest[3])
+        return self.latest[3]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -207,9 +235,10 @@ class GatedMLP(nn.Module):
         self.gate = Linear(w(p + "ffn_gate.weight"), backend)
         self.up = Linear(w(p + "ffn_up.weight"), backend)
         self.down = Linear(w(p + "ffn_down.weight"), backend)
+        self.gate_up = Projections(self.gate, self.up)
         self.act_mul = act_mul
         self.cpu_kernel = backend.cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, self.gate, self.up)
+        gate, up = self.gate_up(x)
         return self.down(self.act_mul(gate, up, self.cpu_kernel))

@@ -147,6 +147,19 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> weight, dou
 
 namespace {
 
+// dst (a contiguous row of the ring) = src, rounded to dst's dtype: plain
+// loops for the float32/bfloat16 rows a decode step writes (torch's copy_
+// costs more than the attention it feeds at short contexts), copy_ otherwise.
+void write_row(const torch::Tensor& src, torch::Tensor dst) {
+  const int64_t n = dst.numel();
+  if (src.is_contiguous() && src.scalar_type() == torch::kFloat32) {
+    if (dst.scalar_type() == torch::kBFloat16)
+      return store_row(src.data_ptr<float>(), dst.data_ptr<c10::BFloat16>(), n);
+    if (dst.scalar_type() == torch::kFloat32) return store_row(src.data_ptr<float>(), dst.data_ptr<float>(), n);
+  }
+  dst.copy_(src.reshape(dst.sizes()));
+}
+
 constexpr int kMaxGroup = 8;  // query heads per KV head handled together
 // Lanes of the head dim per pass over V for G heads: as many as keep the G x
 // tiles accumulators in registers (about 24 zmm of AVX-512's 32, 12 ymm of
@@ -180,18 +193,19 @@ void weighted_values(const KV* v, const int64_t* slots, int64_t len, int64_t Hkv
 // G is a template argument so that the per-head accumulators live in
 // registers (with a run-time G they went through the stack: 4x slower).
 template <int G, class KV>
-void attend_chunk(const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len, int64_t Hkv,
-                  int64_t hk, int64_t h0, int64_t D, float scale, float* p, float* max_out, float* sum_out,
-                  float* acc_out) {
-  // Scores: each key row is loaded once for the G query heads. The K and V
-  // rows a few positions ahead are prefetched (both: the value pass below
-  // then finds the chunk in cache); from memory, the hardware prefetcher
-  // alone left this at a third of the read bandwidth.
-  const int64_t row_bytes = D * int64_t(sizeof(KV));
+void attend_chunk(const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len, int64_t slots_left,
+                  int64_t Hkv, int64_t hk, int64_t h0, int64_t D, float scale, int64_t prefetch_bytes, float* p,
+                  float* max_out, float* sum_out, float* acc_out) {
+  // Scores: each key row is loaded once for the G query heads. The first
+  // pass over a chunk prefetches the K and V rows (prefetch_bytes of each,
+  // from head hk's row on) a few positions ahead, on into the next chunk
+  // (slots_left positions remain from this chunk's first), so that the value
+  // pass and the chunk's other heads find them in cache; from memory, the
+  // hardware prefetcher alone left this at a third of the read bandwidth.
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kPrefetchAhead < len) {
+    if (prefetch_bytes && j + kPrefetchAhead < slots_left) {
       const int64_t ahead = (slots[j + kPrefetchAhead] * Hkv + hk) * D;
-      for (int64_t off = 0; off < row_bytes; off += 64) {
+      for (int64_t off = 0; off < prefetch_bytes; off += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k + ahead) + off);
         __builtin_prefetch(reinterpret_cast<const char*>(v + ahead) + off);
       }
@@ -229,12 +243,14 @@ void attend_chunk(const float* q, const KV* k, const KV* v, const int64_t* slots
 }
 
 template <class KV>
-void attend_chunk_any(int G, const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len, int64_t Hkv,
-                      int64_t hk, int64_t h0, int64_t D, float scale, float* p, float* max_out, float* sum_out,
-                      float* acc_out) {
+void attend_chunk_any(int G, const float* q, const KV* k, const KV* v, const int64_t* slots, int64_t len,
+                      int64_t slots_left, int64_t Hkv, int64_t hk, int64_t h0, int64_t D, float scale,
+                      int64_t prefetch_bytes, float* p, float* max_out, float* sum_out, float* acc_out) {
   switch (G) {
-#define STRATA_GROUP(n) \
-  case n: return attend_chunk<n>(q, k, v, slots, len, Hkv, hk, h0, D, scale, p, max_out, sum_out, acc_out);
+#define STRATA_GROUP(n)                                                                                      \
+  case n:                                                                                                    \
+    return attend_chunk<n>(q, k, v, slots, len, slots_left, Hkv, hk, h0, D, scale, prefetch_bytes, p, max_out, \
+                           sum_out, acc_out);
     STRATA_GROUP(1) STRATA_GROUP(2) STRATA_GROUP(3) STRATA_GROUP(4)
     STRATA_GROUP(5) STRATA_GROUP(6) STRATA_GROUP(7) STRATA_GROUP(8)
 #undef STRATA_GROUP
@@ -263,16 +279,21 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   if (new_k) {  // the query's own key and value first, into its slot
     for (const torch::Tensor& t : {*new_k, *new_v})
       TORCH_CHECK(t.numel() == Hkv * D, "new_k and new_v must hold ", Hkv, " x ", D, " values");
-    k.select(0, position % capacity).copy_(new_k->reshape({Hkv, D}));
-    v.select(0, position % capacity).copy_(new_v->reshape({Hkv, D}));
+    write_row(*new_k, k.select(0, position % capacity));
+    write_row(*new_v, v.select(0, position % capacity));
   }
   std::vector<int64_t> slots;
   for (int64_t p = first; p <= position; ++p) slots.push_back(p % capacity);
   const int64_t n = int64_t(slots.size()), G = H / Hkv;
   const int64_t chunks = (n + kAttentionChunk - 1) / kAttentionChunk;
-  // Tasks: (chunk, KV head, group of up to kMaxGroup of its query heads).
+  // Tasks: (chunk, KV heads, group of up to kMaxGroup query heads per KV
+  // head). A task takes every KV head of its chunk, reading whole position
+  // rows (contiguous memory: from DRAM, one KV head per task ran at a third
+  // of the read bandwidth), unless that leaves too few tasks for the threads.
   const int64_t parts = (G + kMaxGroup - 1) / kMaxGroup;
-  const int64_t tasks = chunks * Hkv * parts;
+  const int64_t heads_per_task = chunks >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks = chunks * (Hkv / heads_per_task) * parts;
+  const int64_t row_bytes = D * int64_t(k.element_size());
   // Per chunk and query head: max score, sum of exp(score - max), and
   // sum of exp(score - max) * v.
   std::vector<float> chunk_max(chunks * H), chunk_sum(chunks * H), chunk_acc(chunks * H * D);
@@ -281,19 +302,24 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(kMaxGroup * kAttentionChunk);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t c = task / (Hkv * parts), hk = (task / parts) % Hkv, part = task % parts;
-      const int64_t h0 = hk * G + part * kMaxGroup;
-      const int group = int(std::min<int64_t>(kMaxGroup, G - part * kMaxGroup));
+      const int64_t part = task % parts, first_head = (task / parts) % (Hkv / heads_per_task) * heads_per_task;
+      const int64_t c = task / (parts * (Hkv / heads_per_task));
       const int64_t j0 = c * kAttentionChunk, len = std::min(kAttentionChunk, n - j0);
-      float* mx = chunk_max.data() + c * H + h0;
-      float* sm = chunk_sum.data() + c * H + h0;
-      float* acc = chunk_acc.data() + (c * H + h0) * D;
-      if (k.scalar_type() == torch::kFloat32) {
-        attend_chunk_any(group, qp, k.data_ptr<float>(), v.data_ptr<float>(), slots.data() + j0, len, Hkv, hk, h0, D,
-                         s, p.data(), mx, sm, acc);
-      } else {
-        attend_chunk_any(group, qp, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), slots.data() + j0, len,
-                         Hkv, hk, h0, D, s, p.data(), mx, sm, acc);
+      const int group = int(std::min<int64_t>(kMaxGroup, G - part * kMaxGroup));
+      for (int64_t hk = first_head; hk < first_head + heads_per_task; ++hk) {
+        const int64_t h0 = hk * G + part * kMaxGroup;
+        // The first head's pass prefetches the rows of every head this task reads.
+        const int64_t prefetch = hk == first_head ? heads_per_task * row_bytes : 0;
+        float* mx = chunk_max.data() + c * H + h0;
+        float* sm = chunk_sum.data() + c * H + h0;
+        float* acc = chunk_acc.data() + (c * H + h0) * D;
+        if (k.scalar_type() == torch::kFloat32) {
+          attend_chunk_any(group, qp, k.data_ptr<float>(), v.data_ptr<float>(), slots.data() + j0, len, n - j0, Hkv,
+                           hk, h0, D, s, prefetch, p.data(), mx, sm, acc);
+        } else {
+          attend_chunk_any(group, qp, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), slots.data() + j0,
+                           len, n - j0, Hkv, hk, h0, D, s, prefetch, p.data(), mx, sm, acc);
+        }
       }
     }
   });

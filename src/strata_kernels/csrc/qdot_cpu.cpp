@@ -55,6 +55,7 @@ inline __m256i signed_codes32(const uint8_t* block, int c) {
 using Acc = __m512;
 inline Acc acc_zero() { return _mm512_setzero_ps(); }
 inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+inline Acc acc_add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
 // The codes of 32 weights, widened to 16 bits: decoded once, used by every row of x.
 struct Codes32 {
   __m512i w;
@@ -72,6 +73,7 @@ inline Acc fma_dot(Acc acc, const Codes32& c, const int16_t* x, float s_lo, floa
 #elif defined(__AVX2__) && defined(__FMA__)
 using Acc = __m256;
 inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline Acc acc_add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
 inline float acc_sum(Acc a) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   r = _mm_hadd_ps(r, r);
@@ -95,6 +97,7 @@ inline Acc fma_dot(Acc acc, const Codes32& c, const int16_t* x, float s_lo, floa
 using Acc = float;
 inline Acc acc_zero() { return 0.0f; }
 inline float acc_sum(Acc a) { return a; }
+inline Acc acc_add(Acc a, Acc b) { return a + b; }
 struct Codes32 {
   const int8_t* q;
   explicit Codes32(const int8_t* codes) : q(codes) {}
@@ -126,13 +129,18 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const int16_t* x
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     if (n + kPrefetchRows < n1) prefetch(row + kPrefetchRows * row_bytes, row_bytes);
-    Acc acc[M];
-    float acc_min[M];
-    for (int m = 0; m < M; ++m) {
-      acc[m] = acc_zero();
-      acc_min[m] = 0.0f;
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
+    // Two accumulators per row of x, alternating by 32-weight step: each
+    // step's multiply-add waits on the one two steps back, not the last
+    // (one chain left the GEMV at a third of the read bandwidth, waiting on
+    // FMA latency).
+    Acc acc[2][M];
+    float acc_min[2][M];
+    for (int a = 0; a < 2; ++a)
+      for (int m = 0; m < M; ++m) {
+        acc[a][m] = acc_zero();
+        acc_min[a][m] = 0.0f;
+      }
+    auto block_step = [&](int64_t b, Acc* accs, float* mins) {
       const uint8_t* block = row + b * T::BYTES;
 #ifdef STRATA_CODES32
       T::scales(block, scale, minv);
@@ -147,17 +155,29 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const int16_t* x
 #endif
         const int64_t xb = (b * T::B + c) / kXBlock;
         const float s_lo = scale[c / T::SG], s_hi = scale[(c + 16) / T::SG];
+        Acc* into = T::B == kXBlock ? accs : acc[(c / kXBlock) & 1];
         for (int m = 0; m < M; ++m) {
           const float dxm = dx[m * xblocks + xb];
-          acc[m] = fma_dot<T::SG == 32>(acc[m], codes, xq + m * K + xb * kXBlock, s_lo * dxm, s_hi * dxm);
+          into[m] = fma_dot<T::SG == 32>(into[m], codes, xq + m * K + xb * kXBlock, s_lo * dxm, s_hi * dxm);
         }
       }
       if constexpr (T::HAS_MIN) {
         for (int g = 0; g < G; ++g)
-          for (int m = 0; m < M; ++m) acc_min[m] += minv[g] * xsum[m * groups + b * G + g];
+          for (int m = 0; m < M; ++m) mins[m] += minv[g] * xsum[m * groups + b * G + g];
       }
+    };
+    if constexpr (T::B == kXBlock) {  // one step per block: alternate by block
+      int64_t b = 0;
+      for (; b + 1 < blocks; b += 2) {
+        block_step(b, acc[0], acc_min[0]);
+        block_step(b + 1, acc[1], acc_min[1]);
+      }
+      if (b < blocks) block_step(b, acc[0], acc_min[0]);
+    } else {  // several steps per block: alternate within it
+      for (int64_t b = 0; b < blocks; ++b) block_step(b, nullptr, acc_min[b & 1]);
     }
-    for (int m = 0; m < M; ++m) y[m * N + n] = acc_sum(acc[m]) - acc_min[m];
+    for (int m = 0; m < M; ++m)
+      y[m * N + n] = acc_sum(acc_add(acc[0][m], acc[1][m])) - (acc_min[0][m] + acc_min[1][m]);
   }
 }
 
@@ -209,8 +229,8 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
         using T = decltype(t);
         const float* xsum = T::SG == 16 ? xsum16.data() : xsum32.data();
         with_rows(int(M), [&](auto rows) {
-          qgemv_rows<T, decltype(rows)::value>(p.w, p.row_bytes, K, xq.data(), dx.data(), xsum, p.y.data_ptr<float>(), p.N,
-                                               lo - p.first, hi - p.first);
+          qgemv_rows<T, decltype(rows)::value>(p.w, p.row_bytes, K, xq.data(), dx.data(), xsum,
+                                               p.y.data_ptr<float>(), p.N, lo - p.first, hi - p.first);
         });
       });
     }

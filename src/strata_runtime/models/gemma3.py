@@ -17,7 +17,7 @@ from torch import nn
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..backend import Backend
-from ..layers import GatedMLP, Linear, RMSNorm, RopeCache, gelu_tanh_mul, linears, rope_inverse_frequencies
+from ..layers import GatedMLP, Linear, Projections, RMSNorm, RopeCache, gelu_tanh_mul, rope_inverse_frequencies
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 
 
@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(w(p + "attn_k.weight"), backend)
         self.v_proj = Linear(w(p + "attn_v.weight"), backend)
         self.o_proj = Linear(w(p + "attn_output.weight"), backend)
+        self.qkv = Projections(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, backend)
         self.k_norm = RMSNorm(w(p + "attn_k_norm.weight"), args.rms_eps, backend)
         self.attention_backend = backend.attention
@@ -75,13 +76,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a = self.args
         t = x.shape[0]
-        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.qkv(x)
         # The CPU kernel's norm takes float32 tables (and applies them in float32).
         rope = self.rope.tables(positions, self.inv_freq, torch.float32 if self.q_norm.cpu_kernel else q.dtype)
         q = self.q_norm(q.view(t, a.n_heads, a.head_dim), rope=rope)
         k = self.k_norm(k.view(t, a.n_kv_heads, a.head_dim), rope=rope)
         v = v.view(t, a.n_kv_heads, a.head_dim)
-        out = cache.write_and_attend(self.layer, q, k, v, int(positions[0]), a.attention_scale, self.attention_backend)
+        # positions start at cache.length (the interface), read without a tensor access
+        out = cache.write_and_attend(self.layer, q, k, v, cache.length, a.attention_scale, self.attention_backend)
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 

@@ -27,7 +27,7 @@ from ..errors import ModelFileError
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..backend import Backend
-from ..layers import (GatedMLP, Linear, RMSNorm, RopeCache, apply_rope, linears, rope_inverse_frequencies, silu_mul,
+from ..layers import (GatedMLP, Linear, Projections, RMSNorm, RopeCache, apply_rope, rope_inverse_frequencies, silu_mul,
                       yarn_attention_factor, yarn_inverse_frequencies)
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 
@@ -119,6 +119,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(k, backend, bias("attn_k.bias"))
         self.v_proj = Linear(w(p + "attn_v.weight"), backend, bias("attn_v.bias"))
         self.o_proj = Linear(w(p + "attn_output.weight"), backend)
+        self.qkv = Projections(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = self.k_norm = None
         if variant.qk_norm:
             self.q_norm = RMSNorm(w(p + "attn_q_norm.weight"), args.rms_eps, backend)
@@ -130,7 +131,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         a = self.args
         t = x.shape[0]
-        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.qkv(x)
         q, k = q.view(t, a.n_heads, a.head_dim), k.view(t, a.n_kv_heads, a.head_dim)
         if self.q_norm is not None:  # the norm and the rotation in one call (one kernel on the CPU fast path)
             rope = self.rope.tables(positions, self.inv_freq, torch.float32 if self.q_norm.cpu_kernel else q.dtype)
@@ -143,7 +144,8 @@ class Attention(nn.Module):
             q = apply_rope(q.float(), cos, sin).to(x.dtype)
             k = apply_rope(k.float(), cos, sin).to(x.dtype)
         v = v.view(t, a.n_kv_heads, a.head_dim)
-        out = cache.write_and_attend(self.layer, q, k, v, int(positions[0]), a.attention_scale, self.attention_backend)
+        # positions start at cache.length (the interface), read without a tensor access
+        out = cache.write_and_attend(self.layer, q, k, v, cache.length, a.attention_scale, self.attention_backend)
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 

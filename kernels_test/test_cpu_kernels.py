@@ -87,6 +87,22 @@ def test_qmatmul_bfloat16_activations(qtype, m):
             report_mismatch(actual.float(), by_float32, atol=float(step.max()))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_prefill_gemm_in_bfloat16_under_float32_activations(qtype):
+    """``gemm_dtype=torch.bfloat16`` (the default path's prefill matmuls on a
+    CPU with the bf16 dot product): float32 in and out, the product taken by
+    torch's bfloat16 GEMM on the bfloat16 roundings of x and of the weight;
+    a decode step's rows still go through the float32 GEMV."""
+    qt = random_quant_tensor(qtype, 37, _blocks_per_row(qtype, 512), seed=11)
+    x = torch.randn(CPU_GEMV_MAX_M + 5, qt.cols, generator=torch.Generator().manual_seed(12))
+    y = cpu_kernels.qmatmul_cpu(x, qt, torch.bfloat16)
+    assert y.dtype == torch.float32
+    w = dequantize(qt, torch.bfloat16, backend="cpu")
+    assert torch.equal(y, (x.bfloat16() @ w.T).float())
+    few = x[:CPU_GEMV_MAX_M]
+    assert torch.equal(cpu_kernels.qmatmul_cpu(few, qt, torch.bfloat16), cpu_kernels.gemv(few, qt))
+
+
 def test_qmatmul_real_weights(model_gguf):
     for name in ("blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.3.ffn_down.weight", "blk.0.attn_v.weight"):
         qt = model_gguf.tensor(name).row_slice(0, 29)

@@ -72,3 +72,23 @@ def test_a_slow_build_shows_a_progress_line(capsys):
     with cpu_kernels._progress_line("quick"):
         pass
     assert "quick" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"STRATA_CPU_ISA": "avx2"},
+                                 {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}], ids=lambda e: "=".join(*e.items()))
+def test_bfloat16_prefill_matmuls_only_where_torch_has_bf16_hardware(env):
+    """The default path's prefill GEMMs go to bfloat16 only where torch runs
+    them on bf16 dot products: never below the avx512 variant or with oneDNN
+    capped under its bf16 ISA (the emulated AVX2 setting sets both)."""
+    if "avx2" not in cpu_kernels.supported_isas():
+        pytest.skip("this CPU has no AVX2")
+    code = ("from strata_kernels import cpu_kernels as c; from strata_runtime.compute_path import resolve; "
+            "p = resolve('auto', 'cpu'); print(c.bf16_matmul(), p.prefill_matmuls)")
+    clean = {k: v for k, v in os.environ.items() if k not in ("STRATA_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                                                              "ONEDNN_MAX_CPU_ISA")}
+    native = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=900)
+    has = bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags()) and "avx512" in cpu_kernels.supported_isas()
+    assert native.stdout.split() == [str(has), "torch.bfloat16" if has else "torch.float32"], native.stderr
+    capped = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                            timeout=900)
+    assert capped.stdout.split() == ["False", "torch.float32"], capped.stderr

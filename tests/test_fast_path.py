@@ -1,5 +1,6 @@
 """The default compute path (``dtype="auto"``: every weight kept as its GGUF
-blocks and read by the compiled CPU kernels, float32 activations) and the
+blocks and read by the compiled CPU kernels, float32 activations, prefill
+matmuls in bfloat16 where the CPU has the bf16 dot product) and the
 bfloat16 one against the exact float32 path, on the reference texts of both
 real models (issue 19's bar: top-1 agreement >= 95%, mean KL <= 0.03,
 greedy tokens equal up to near-ties).
@@ -61,6 +62,13 @@ def test_the_path_says_what_it_chose_and_why(pair):
     assert props["backend"] == [f"cpu {expected}: compiled CPU kernels on GGUF blocks"]
     assert props["cpu_kernels"].startswith(f"{cpu_kernels.isa()} (this CPU runs ")
     assert props["kv_storage"] == "bfloat16"  # half the bytes of float32 for decode attention to read
+    # Prefill matmuls: bfloat16 where torch's bf16 GEMM runs on bf16 hardware (auto), else the activations'.
+    prefill = "bfloat16" if expected == "bfloat16" or cpu_kernels.bf16_matmul() else "float32"
+    assert props["compute_path"]["prefill_matmuls"] == prefill
+    assert ("prefill matmuls in bfloat16" in props["compute_path"]["reason"]) == (
+        props["compute_path"]["requested"] == "auto" and prefill == "bfloat16")
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert {str(m.gemm_dtype).removeprefix("torch.") for m in linears} == {prefill}
 
 
 def test_fast_path_stays_close_to_float32(pair):

@@ -26,6 +26,9 @@ class Backend:
     - ``"triton"``: GGUF blocks read by the Triton kernels on a GPU;
     - ``"meta"``: weights another process of a split holds (shapes only).
 
+    ``prefill_matmuls``: the dtype the CPU kernels' prefill GEMMs run in
+    (``ComputePath.prefill_matmuls``).
+
     Invariant: ``"cpu"`` only on the CPU, on a fast compute path, with the
     kernels built; ``"triton"`` only on CUDA.
     """
@@ -33,9 +36,11 @@ class Backend:
     device: torch.device
     activations: torch.dtype
     kernels: str
+    prefill_matmuls: torch.dtype | None = None
 
     @classmethod
-    def choose(cls, device: torch.device | str, activations: torch.dtype, fast: bool = True) -> "Backend":
+    def choose(cls, device: torch.device | str, activations: torch.dtype, fast: bool = True,
+               prefill_matmuls: torch.dtype | None = None) -> "Backend":
         """The one place the kernels are decided: ``fast`` (a compute path
         other than the exact one, see ``compute_path``) takes the CPU kernels
         where they built (a failed build was logged, and the torch ops serve)."""
@@ -48,7 +53,7 @@ class Backend:
             kernels = "cpu"
         else:
             kernels = "torch"
-        return cls(device, activations, kernels)
+        return cls(device, activations, kernels, prefill_matmuls if kernels == "cpu" else None)
 
     @property
     def cpu_kernels(self) -> bool:

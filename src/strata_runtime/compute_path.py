@@ -6,9 +6,14 @@ load and reported by ``props()``:
   KL 0.0003 of the exact path on the reference texts; bfloat16 activations,
   10-20x further off, made a seeded request's text depend on whether its
   prefix came from the conversation cache, since a decode step and a prefill
-  chunk compute a position with different arithmetic); the exact path if
-  the kernels cannot be built here. On CUDA, the Triton kernels with
-  bfloat16 activations.
+  chunk compute a position with different arithmetic). Where the CPU has
+  the bfloat16 dot product (``cpu_kernels.bf16_matmul``), prefill matmuls
+  (more than ``CPU_GEMV_MAX_M`` rows) run in bfloat16: 2.5x torch's float32
+  GEMM there, KL 0.003 on the reference texts; in float32 they left Gemma's
+  prefill at 0.99x llama.cpp's, whose int8 dot products that CPU also has.
+  Decode steps (the GEMV) stay float32 either way. The exact path if the
+  kernels cannot be built here. On CUDA, the Triton kernels with bfloat16
+  activations.
 - ``"bfloat16"``: the kernels with bfloat16 activations, on any CPU.
 - ``"float32"``: the exact reference path (weights dequantized to float32
   once, torch ops) on a CPU; Triton with float32 activations on CUDA.
@@ -30,16 +35,24 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16")
 class ComputePath:
     """A resolved ``dtype``: the activations' dtype, whether weights stay
     GGUF blocks read by kernels (``fast``) rather than dense exact copies,
-    and the reason, in words, for ``props()``.
+    the reason, in words, for ``props()``, and the dtype prefill matmuls run
+    in where it differs from the activations'.
 
     Invariant: ``activations`` is float32 or bfloat16; ``fast`` is False only
-    on a CPU (every GPU path reads blocks).
+    on a CPU (every GPU path reads blocks); ``prefill`` is None or bfloat16
+    under float32 activations, on a fast CPU path.
     """
 
     requested: str
     activations: torch.dtype
     fast: bool
     reason: str
+    prefill: torch.dtype | None = None
+
+    @property
+    def prefill_matmuls(self) -> torch.dtype:
+        """The dtype matmuls over more than a decode step's rows run in."""
+        return self.prefill or self.activations
 
     @property
     def kv_float(self) -> torch.dtype:
@@ -81,5 +94,9 @@ def resolve(dtype: str, device: torch.device | str) -> ComputePath:
     isa = cpu_kernels.isa()
     if dtype == "bfloat16":
         return ComputePath(dtype, torch.bfloat16, True, f"asked for; CPU kernels ({isa}) on GGUF blocks")
+    if cpu_kernels.bf16_matmul():
+        return ComputePath(dtype, torch.float32, True,
+                           f"auto: CPU kernels ({isa}) on GGUF blocks, float32 activations; prefill matmuls in "
+                           f"bfloat16 (this CPU has the bf16 dot product)", torch.bfloat16)
     return ComputePath(dtype, torch.float32, True,
                        f"auto: CPU kernels ({isa}) on GGUF blocks, float32 activations")

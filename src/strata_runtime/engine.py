@@ -329,7 +329,8 @@ class Engine:
     def _compute_path_state(self) -> dict[str, str]:
         """What ``dtype`` resolved to here, and why (``compute_path``)."""
         path = self.model.compute_path
-        return {"requested": path.requested, "activations": path.name, "reason": path.reason}
+        return {"requested": path.requested, "activations": path.name,
+                "prefill_matmuls": str(path.prefill_matmuls).removeprefix("torch."), "reason": path.reason}
 
     def _cpu_kernels_state(self) -> str:
         """Which build of the CPU kernels reads the GGUF blocks ("avx2 (this

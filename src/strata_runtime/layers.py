@@ -34,8 +34,10 @@ class Linear(nn.Module):
             self.qweight = weight
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
-        # Blocks read by the compiled CPU kernels (see ``Projections``).
+        # Blocks read by the compiled CPU kernels (see ``Projections``), and
+        # the dtype their prefill GEMMs run in.
         self.cpu_blocks = self.qweight is not None and backend.cpu_kernels
+        self.gemm_dtype = backend.prefill_matmuls
         self.projection = Projections(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,8 +51,11 @@ class Linear(nn.Module):
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
-        matmul = cpu_kernels.qmatmul_cpu if self.cpu_blocks else qmatmul
-        return self.add_bias(matmul(flat, self.qweight).reshape(*x.shape[:-1], self.qweight.rows))
+        if self.cpu_blocks:
+            y = cpu_kernels.qmatmul_cpu(flat, self.qweight, self.gemm_dtype)
+        else:
+            y = qmatmul(flat, self.qweight)
+        return self.add_bias(y.reshape(*x.shape[:-1], self.qweight.rows))
 
 
 class Projections:

@@ -90,7 +90,8 @@ class Weights:
     def backend(self, name: str, head: bool = False) -> Backend:
         device = self.placement.device_of(name, head)
         if device not in self._backends:
-            self._backends[device] = Backend.choose(device, self.activations, self.path.fast)
+            self._backends[device] = Backend.choose(device, self.activations, self.path.fast,
+                                                    self.path.prefill_matmuls)
         return self._backends[device]
 
     def backends(self) -> list[Backend]:

@@ -209,16 +209,23 @@ def test_gpu_attention_large(fmt, context):
     assert torch.allclose(out, ref, atol=1e-3)
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 100])
-def test_cpu_decode_over_bfloat16_storage(window):
-    """The CPU fast path stores f16-format keys and values in bfloat16 (they
-    are bfloat16 values already); the compiled decode kernel reads them in
-    place, as the torch reference does after widening them to float32."""
-    hkv, group, d, context = 2, 4, 128, 700
-    store = KVStore.allocate("f16", context, hkv, d, float_dtype=torch.bfloat16)
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_cpu_decode_kernel_over_float_storage(window, storage, long):
+    """The CPU fast path stores f16-format keys and values in bfloat16 (the
+    exact path in float32); the compiled decode kernel reads either in place,
+    as the torch reference does after widening them to float32. A
+    long context gives the kernel enough chunks of positions that each task
+    takes every KV head of its chunk (a short one: one KV head per task); 3
+    query heads per KV head leave a group of scores short of 16 lanes."""
+    threads = torch.get_num_threads()
+    hkv, group, d = 2, 3 if long else 4, 128
+    context = 128 * 4 * threads + 77 if long else 700
+    store = KVStore.allocate("f16", context, hkv, d, float_dtype=storage)
     keys, values = _rand(context, hkv, d, seed=10), _rand(context, hkv, d, seed=11)
     kv_write_consecutive(store, 0, keys, values)
-    assert store.k.dtype == torch.bfloat16 and torch.equal(store.k, keys.bfloat16())
+    assert store.k.dtype == storage and torch.equal(store.k, keys.to(storage))
     q = _rand(1, hkv * group, d, seed=12)
     by_torch = attention(q, store, context - 1, window, d**-0.5, backend="torch")
     by_cpu = attention(q, store, context - 1, window, d**-0.5, backend="cpu")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from tiny_models import CORPUS, Shape, transformers_logits, write_tiny_model
+from tiny_models import CORPUS, Shape, fused_and_layer_by_layer_decode, transformers_logits, write_tiny_model
 
 import strata_runtime
 
@@ -73,6 +73,26 @@ def test_fast_path_and_quantized_kv_within_bounds(tmp_path, arch):
         kl, top1 = _kl(logits, reference), float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
         print(f"{arch} {dtype} {kv}: KL {kl:.4f}, top-1 {top1:.1%}")
         assert kl <= max_kl and top1 >= min_top1, (dtype, kv, kl, top1)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_decode_steps_equal_the_layer_by_layer_ones(tmp_path, arch, dtype):
+    """On the CPU kernels a decode step runs each layer as two compiled calls
+    (``fused_decode``): the same logits, bit for bit, as the layer's modules
+    one by one; q/k/v biases (qwen2) and per-head q/k norms (qwen3)
+    included. A step the fused call does not cover (a prefill chunk, int8
+    KV) runs the modules."""
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, Shape(hidden=192, heads=3, kv_heads=1, head_dim=64),
+                            6, Q.Q4_0)
+    engine = _load(path, dtype=dtype)
+    fused, layered, layers = fused_and_layer_by_layer_decode(engine, engine.tokenize(TEXT))
+    assert layers == len(engine.model.layers)
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))
+    int8 = _load(path, dtype=dtype, kv="int8")
+    fused, layered, _ = fused_and_layer_by_layer_decode(int8, int8.tokenize(TEXT), steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))
+    assert all(b.fused_decode is None for b in _load(path).model.layers)  # the exact path has no fused step
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

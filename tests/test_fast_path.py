@@ -135,6 +135,18 @@ def test_fast_path_greedy_tokens_equal_the_float32_path(default_pair):
           "prompts")
 
 
+def test_gemma_fused_decode_steps_equal_the_layer_by_layer_ones(default_pair):
+    """The fused decode step (two compiled calls a layer) on the real files,
+    Gemma's sandwich norms and sliding windows included: the same logits,
+    bit for bit, as the layers' modules one by one."""
+    from tiny_models import fused_and_layer_by_layer_decode
+
+    _, fast, reference = default_pair
+    fused, layered, layers = fused_and_layer_by_layer_decode(fast, reference["teacher_forced"][0]["tokens"][:40])
+    assert layers == len(fast.model.layers)
+    assert all(torch.equal(a, b) for a, b in zip(fused, layered))
+
+
 def test_fast_path_keeps_every_weight_as_gguf_blocks(model_file, model_gguf):
     """No dense copy of any matrix: each Linear holds the file's blocks (the
     same bytes), so the weights take what the GGUF file takes."""

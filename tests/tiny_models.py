@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
@@ -136,3 +137,32 @@ def transformers_logits(path: Path, token_ids: list[int], head_dim: int | None =
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, **extra)
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def fused_and_layer_by_layer_decode(engine, token_ids: list[int], steps: int = 6):
+    """The logits of ``steps`` greedy decode steps after a prefill of
+    ``token_ids``, once through each layer's fused decode step
+    (``fused_decode.FusedDecode``) and once layer by layer (the fused step
+    switched off): ``(fused, layered, number of fused layers)``."""
+    from strata_runtime.generation import decode_step, prefill
+
+    blocks = list(engine.model.layers)
+    fused = [block.fused_decode for block in blocks]
+
+    def run(on: bool) -> list[torch.Tensor]:
+        for block, f in zip(blocks, fused):
+            block.fused_decode = f if on else None
+        try:
+            cache = engine.new_cache(len(token_ids) + steps)
+            with torch.inference_mode():
+                logits = prefill(engine.model, cache, token_ids)
+                out = []
+                for _ in range(steps):
+                    logits = decode_step(engine.model, cache, int(logits.argmax()))
+                    out.append(logits)
+            return out
+        finally:
+            for block, f in zip(blocks, fused):
+                block.fused_decode = f
+
+    return run(True), run(False), sum(f is not None for f in fused)

@@ -55,10 +55,15 @@ def _cpu_storage(store: KVStore) -> bool:
     return store.fmt == "f16" and store.k.dtype in (torch.float32, torch.bfloat16)
 
 
-def _cpu_decode(q: torch.Tensor, store: KVStore) -> bool:
-    """Whether the CPU kernel covers this call: one query over float32 or
+def cpu_decode_reads(store: KVStore) -> bool:
+    """Whether the CPU decode kernel reads ``store`` in place: float32 or
     bfloat16 f16-format storage, a head dim that is a multiple of 16."""
-    return q.shape[0] == 1 and _cpu_storage(store) and store.head_dim % 16 == 0
+    return _cpu_storage(store) and store.head_dim % 16 == 0
+
+
+def _cpu_decode(q: torch.Tensor, store: KVStore) -> bool:
+    """Whether the CPU kernel covers this call: one query over storage it reads."""
+    return q.shape[0] == 1 and cpu_decode_reads(store)
 
 
 def _prefill_sdpa(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float) -> torch.Tensor:

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("qdot_cpu.cpp", "dequant_cpu.cpp", "decode_cpu.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("qdot_cpu.cpp", "dequant_cpu.cpp", "decode_cpu.cpp", "decode_block_cpu.cpp",
+                                                 "bindings.cpp")]
 
 # Variant -> (compiler flags, /proc/cpuinfo flags it needs), best first.
 ISA_VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {

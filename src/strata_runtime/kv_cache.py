@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive, write_and_attend
+from strata_kernels.attention import cpu_decode_reads
 
 from .placement import Placement
 from .state import PREFILL_CHUNK, LayerState  # noqa: F401  (PREFILL_CHUNK: re-exported for the prefill loop)
@@ -92,6 +93,15 @@ class KVCache:
         CPU kernels cover it (a decode step)."""
         self._check_write(start, keys.shape[0])
         return write_and_attend(q, keys, values, self.stores[layer], start, self.windows[layer], scale, backend)
+
+    def decode_ring(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor, int | None] | None:
+        """For a one-position step at ``start`` (checked as ``write`` checks
+        it): ``layer``'s key and value rings and its window, where the CPU
+        decode kernel reads that storage in place (``attention.cpu_decode_reads``);
+        None where it does not."""
+        self._check_write(start, 1)
+        store = self.stores[layer]
+        return (store.k, store.v, self.windows[layer]) if cpu_decode_reads(store) else None
 
     def _check_write(self, start: int, n: int) -> None:
         if start != self.length:

@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("new_k") = py::none(), py::arg("new_v") = py::none());
   m.def("gated_mul", &strata_cpu::gated_mul, "act(gate) * up (act 0: gelu_tanh, 1: silu), in float32 inside",
         py::arg("gate"), py::arg("up"), py::arg("act"));
+  m.def("attention_block", &strata_cpu::attention_block,
+        "a decoder layer's attention half for one position: x + o(attention(rope(q), rope(k), v)), fused");
+  m.def("mlp_block", &strata_cpu::mlp_block, "a decoder layer's MLP half for one position: x + down(act(gate) * up)");
   m.attr("max_m") = strata_cpu::kMaxM;
   m.attr("simd") = strata_cpu::kSimd;  // the Lanes the kernels were built with
 }

@@ -27,4 +27,16 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                std::optional<torch::Tensor> new_v);
 torch::Tensor gated_mul(torch::Tensor gate, torch::Tensor up, int64_t act);
 
+// decode_block_cpu.cpp: a decoder layer's decode step as two calls of the above.
+torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, std::vector<torch::Tensor> qkv,
+                              std::vector<int64_t> qkv_types, std::vector<torch::Tensor> qkv_bias,
+                              std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
+                              int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor k_ring, torch::Tensor v_ring, int64_t position,
+                              std::optional<int64_t> window, double scale, torch::Tensor o, int64_t o_type,
+                              std::optional<torch::Tensor> post_norm);
+torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor gate, int64_t gate_type,
+                        torch::Tensor up, int64_t up_type, torch::Tensor down, int64_t down_type, int64_t act,
+                        std::optional<torch::Tensor> post_norm);
+
 }  // namespace strata_cpu

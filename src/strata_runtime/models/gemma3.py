@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..fused_decode import FusedDecode
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..backend import Backend
@@ -98,8 +99,14 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, backend)
         self.mlp = GatedMLP(layer, w, backend, gelu_tanh_mul)
         self.post_ffn_norm = RMSNorm(w(p + "post_ffw_norm.weight"), args.rms_eps, backend)
+        self.fused_decode = FusedDecode.for_block(self.attn_norm, self.attn, self.ffn_norm, self.mlp, "gelu_tanh",
+                                                  self.post_attn_norm, self.post_ffn_norm)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if self.fused_decode is not None:  # a decode step on the CPU kernels: two compiled calls, the same bits
+            fused = self.fused_decode(x, positions, cache)
+            if fused is not None:
+                return fused
         x = self.post_attn_norm(self.attn(self.attn_norm(x), positions, cache), residual=x)
         return self.post_ffn_norm(self.mlp(self.ffn_norm(x)), residual=x)
 

@@ -24,6 +24,7 @@ from torch import nn
 from strata_kernels import QuantTensor, cpu_kernels, dequantize
 
 from ..errors import ModelFileError
+from ..fused_decode import FusedDecode
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..backend import Backend
@@ -158,8 +159,13 @@ class Block(nn.Module):
         self.attn = Attention(args, variant, layer, w, backend, rope, inv_freq)
         self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, backend)
         self.mlp = GatedMLP(layer, w, backend, silu_mul)
+        self.fused_decode = FusedDecode.for_block(self.attn_norm, self.attn, self.ffn_norm, self.mlp, "silu")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if self.fused_decode is not None:  # a decode step on the CPU kernels: two compiled calls, the same bits
+            fused = self.fused_decode(x, positions, cache)
+            if fused is not None:
+                return fused
         x = x + self.attn(self.attn_norm(x), positions, cache).to(x.dtype)
         return x + self.mlp(self.ffn_norm(x)).to(x.dtype)
 

@@ -3,12 +3,15 @@
     python bench/decode_step.py [--model PATH] [--dtype auto] [--threads 2]
                                 [--context 2000] [--steps 64]
 
-Prefills ``--context`` tokens, then times ``--steps`` decode steps, with each
-kind of compiled-kernel call timed as it happens: the output head's GEMV,
-the layers' GEMVs, attention, and the norms (RMSNorm with its RoPE and
-residual add). What is left is Python and torch glue (embedding lookup, KV
-writes, reshapes, GELU). Then the sampler on the last step's logits, for
-each kind of sampling setting, and the argmax a greedy step costs.
+Prefills ``--context`` tokens, then times ``--steps`` decode steps twice:
+as the model runs them (on the CPU kernels each layer is two compiled calls,
+``fused_decode``, timed as one part), then layer by layer, with each kind of
+compiled-kernel call timed as it happens: the output head's GEMV, the
+layers' GEMVs, attention, and the norms (RMSNorm with its RoPE and residual
+add). What is left is Python and torch glue (embedding lookup, reshapes,
+residual adds, the gated activation). Then the sampler on the last step's
+logits, for each kind of sampling setting, and the argmax a greedy step
+costs.
 """
 
 from __future__ import annotations
@@ -63,30 +66,39 @@ def main() -> None:
     cpu_kernels.attention_decode = timed(lambda *a: "attention", cpu_kernels.attention_decode)
     cpu_kernels.rms_norm = timed(lambda *a: "norms (+RoPE, residual)", cpu_kernels.rms_norm)
 
-    prompt = long_prompt_ids(engine, args.context, 0)
-    cache = engine.new_cache(len(prompt) + args.steps + 8)  # 4 warm-up steps too
-    with torch.inference_mode():
-        logits = prefill(engine.model, cache, prompt)
-        token = int(logits.argmax())
-        for _ in range(4):  # warm-up
-            token = int(decode_step(engine.model, cache, token).argmax())
-        spent.clear()
-        calls.clear()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            logits = decode_step(engine.model, cache, token)
-            token = int(logits.argmax())
-        total = (time.perf_counter() - t0) / args.steps
+    from strata_runtime.fused_decode import FusedDecode
 
+    FusedDecode.__call__ = timed(lambda *a: "layers, fused (2 calls)", FusedDecode.__call__)
+    blocks = list(engine.model.layers)
+    fused = [block.fused_decode for block in blocks]
+    prompt = long_prompt_ids(engine, args.context, 0)
     print(engine.props()["compute_path"]["reason"])
-    print(f"decode step at {args.context} tokens of context, {args.threads} threads, "
-          f"mean of {args.steps} steps: {total * 1e3:.2f} ms ({1 / total:.1f} tokens/s)")
-    print(f"{'part':<26} {'ms/token':>9} {'calls/token':>12} {'share':>6}")
-    for name, seconds in spent.most_common():
-        per = seconds / args.steps
-        print(f"{name:<26} {per * 1e3:>9.2f} {calls[name] / args.steps:>12.0f} {per / total:>6.0%}")
-    rest = total - sum(spent.values()) / args.steps
-    print(f"{'the rest (Python, glue)':<26} {rest * 1e3:>9.2f} {'':>12} {rest / total:>6.0%}")
+    for on in (True, False):
+        for block, f in zip(blocks, fused):
+            block.fused_decode = f if on else None
+        how = ("each layer as two compiled calls (fused_decode)" if on and any(fused)
+               else "layer by layer (each kernel called from Python)")
+        cache = engine.new_cache(len(prompt) + args.steps + 8)  # 4 warm-up steps too
+        with torch.inference_mode():
+            logits = prefill(engine.model, cache, prompt)
+            token = int(logits.argmax())
+            for _ in range(4):  # warm-up
+                token = int(decode_step(engine.model, cache, token).argmax())
+            spent.clear()
+            calls.clear()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                logits = decode_step(engine.model, cache, token)
+                token = int(logits.argmax())
+            total = (time.perf_counter() - t0) / args.steps
+        print(f"\n{how}: decode step at {args.context} tokens of context, {args.threads} threads, "
+              f"mean of {args.steps} steps: {total * 1e3:.2f} ms ({1 / total:.1f} tokens/s)")
+        print(f"{'part':<26} {'ms/token':>9} {'calls/token':>12} {'share':>6}")
+        for name, seconds in spent.most_common():
+            per = seconds / args.steps
+            print(f"{name:<26} {per * 1e3:>9.2f} {calls[name] / args.steps:>12.0f} {per / total:>6.0%}")
+        rest = total - sum(spent.values()) / args.steps
+        print(f"{'the rest (Python, glue)':<26} {rest * 1e3:>9.2f} {'':>12} {rest / total:>6.0%}")
 
     print(f"\nsampling from the last step's logits ({logits.numel():,} of them), ms per token:")
     history = prompt[-64:]

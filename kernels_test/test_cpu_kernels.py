@@ -256,3 +256,50 @@ def test_gated_activations_match_float64(dtype, shape, act):
     rtol = 1e-5 if dtype == torch.float32 else 2.0**-8
     assert torch.allclose(actual.double(), expected, rtol=rtol, atol=1e-6), \
         report_mismatch(actual.float(), expected.float(), atol=1e-6)
+
+
+# --- a decoder layer's decode step in two calls --------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["plain", "biases", "qk-norms+post-norms"])
+def test_fused_decode_blocks_equal_their_kernels_one_by_one(dtype, variant):
+    """``attention_block`` and ``mlp_block`` (csrc/decode_block_cpu.cpp):
+    the same bits as the kernels they compose, called one by one, for each
+    optional part (q/k/v biases; per-head q/k norms and post-norms)."""
+    g = torch.Generator().manual_seed(len(variant))
+    hidden, heads, kv_heads, d, ffn, capacity, pos = 256, 6, 2, 32, 256, 40, 29
+    qkv = [random_quant_tensor(T.Q4_K, n, 1, s) for n, s in ((heads * d, 1), (kv_heads * d, 2), (kv_heads * d, 3))]
+    o, gate = random_quant_tensor(T.Q8_0, hidden, 6, 4), random_quant_tensor(T.Q4_0, ffn, 8, 5)
+    up, down = random_quant_tensor(T.Q6_K, ffn, 1, 6), random_quant_tensor(T.Q5_0, hidden, 8, 7)
+    weight = lambda n: torch.rand(n, generator=g) + 0.5  # noqa: E731
+    x = torch.randn(1, hidden, generator=g).to(dtype)
+    biases = [torch.randn(w.rows, generator=g).to(dtype) for w in qkv] if variant == "biases" else []
+    qk = (weight(d), weight(d)) if variant.startswith("qk") else (None, None)
+    post = (weight(hidden), weight(hidden)) if variant.startswith("qk") else (None, None)
+    angles = torch.rand(1, 1, d // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rings = [torch.randn(capacity, kv_heads, d, generator=g).bfloat16() for _ in range(2)]
+    norms, eps, scale, k = (weight(hidden), weight(hidden)), 1e-6, d**-0.5, cpu_kernels.built()
+
+    # One by one, as the model files' modules call them.
+    expected_rings = [r.clone() for r in rings]
+    h = cpu_kernels.rms_norm(x, norms[0], eps)
+    q, kk, v = cpu_kernels.gemv_many(h, qkv)
+    if biases:
+        q, kk, v = q + biases[0], kk + biases[1], v + biases[2]
+    q = cpu_kernels.rms_norm(q.view(1, heads, d), qk[0], eps if qk[0] is not None else 0.0, None, (cos, sin))
+    kk = cpu_kernels.rms_norm(kk.view(1, kv_heads, d), qk[1], eps if qk[1] is not None else 0.0, None, (cos, sin))
+    att = cpu_kernels.attention_decode(q[0].float(), *expected_rings, pos, None, scale, kk, v.view(1, kv_heads, d))
+    y = cpu_kernels.gemv(att.reshape(1, heads * d).to(dtype), o)
+    x1 = cpu_kernels.rms_norm(y, post[0], eps, x) if post[0] is not None else x + y
+    h = cpu_kernels.rms_norm(x1, norms[1], eps)
+    gu = cpu_kernels.gemv_many(h, [gate, up])
+    y = cpu_kernels.gemv(cpu_kernels.silu_mul(*gu), down)
+    x2 = cpu_kernels.rms_norm(y, post[1], eps, x1) if post[1] is not None else x1 + y
+
+    fused1 = k.attention_block(x, norms[0], eps, [w.data for w in qkv], [int(w.qtype) for w in qkv], biases, *qk,
+                               heads, kv_heads, d, cos, sin, *rings, pos, None, scale, o.data, int(o.qtype), post[0])
+    assert torch.equal(fused1, x1) and all(torch.equal(a, b) for a, b in zip(rings, expected_rings))
+    fused2 = k.mlp_block(fused1, norms[1], eps, gate.data, int(gate.qtype), up.data, int(up.qtype), down.data,
+                         int(down.qtype), 1, post[1])
+    assert torch.equal(fused2, x2)

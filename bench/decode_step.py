@@ -66,7 +66,7 @@ def main() -> None:
     cpu_kernels.attention_decode = timed(lambda *a: "attention", cpu_kernels.attention_decode)
     cpu_kernels.rms_norm = timed(lambda *a: "norms (+RoPE, residual)", cpu_kernels.rms_norm)
 
-    from strata_runtime.fused_decode import FusedDecode
+    from strata_runtime.models.fused_decode import FusedDecode
 
     FusedDecode.__call__ = timed(lambda *a: "layers, fused (2 calls)", FusedDecode.__call__)
     blocks = list(engine.model.layers)

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..fused_decode import FusedDecode
 from ..gguf_file import ModelConfig
 from ..kv_cache import KVCache
 from ..backend import Backend
 from ..layers import GatedMLP, Linear, Projections, RMSNorm, RopeCache, gelu_tanh_mul, rope_inverse_frequencies
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
+from .fused_decode import FusedDecode
 
 
 @dataclass(frozen=True)

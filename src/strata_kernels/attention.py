@@ -80,8 +80,11 @@ def _prefill_sdpa(q: torch.Tensor, store: KVStore, start: int, window: int | Non
     end = start + t
     first = 0 if window is None else max(0, start - window + 1)
     runs = slot_runs(first, end, store.capacity)
-    k = torch.cat([store.k[slot:slot + n] for _, slot, n in runs]) if len(runs) > 1 else store.k[runs[0][1]:][:runs[0][2]]
-    v = torch.cat([store.v[slot:slot + n] for _, slot, n in runs]) if len(runs) > 1 else store.v[runs[0][1]:][:runs[0][2]]
+    def visible(ring: torch.Tensor) -> torch.Tensor:  # in position order; a view where the slots are one run
+        parts = [ring[slot:slot + n] for _, slot, n in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    k, v = visible(store.k), visible(store.v)
     q_pos = torch.arange(start, end, device=q.device)[:, None]
     k_pos = torch.arange(first, end, device=q.device)[None, :]
     allowed = k_pos <= q_pos
@@ -100,8 +103,7 @@ def write_and_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """``kv_write_consecutive(store, start, keys, values)`` then ``attention(q,
     store, start, window, scale)``: a layer's step. On the CPU kernel's decode
     case the two are one call (the kernel writes the row it is about to read)."""
-    # backend "cpu" on a CPU tensor is what the fast path asks every step: known without resolve_backend's checks.
-    cpu = (backend == "cpu" and q.device.type == "cpu") or resolve_backend(q.device, backend) == "cpu"
+    cpu = resolve_backend(q.device, backend) == "cpu"
     if cpu and _cpu_decode(q, store) and keys.shape == values.shape == (1, store.kv_heads, store.head_dim):
         from . import cpu_kernels
 

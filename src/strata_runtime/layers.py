@@ -182,28 +182,25 @@ class RopeCache:
     same inverse frequencies, so a step computes them once, not per layer.
 
     Invariant: ``positions`` are consecutive (a step's ``start..start+T-1``),
-    so ``(start, T, dtype, device)`` names the tables; ``latest`` holds that
-    key, the positions tensor it was read from (kept, so no other tensor
-    takes its identity; positions are never changed in place), the dtype,
-    and the tables.
+    so ``key`` = ``(start, T, dtype, device)`` names ``cached``, the tables;
+    ``positions`` is the tensor ``key`` was read from (kept, so no other
+    tensor takes its identity; positions are never changed in place).
     """
 
     def __init__(self):
-        self.latest = None
+        self.key = self.positions = self.cached = None
 
     def tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
         # The same positions tensor reaches every layer of a step: found by
         # identity before reading its first value (a tensor read per layer
         # costs a microsecond on the CPU, a device sync on a GPU).
-        if self.latest is not None and self.latest[1] is positions and self.latest[2] == dtype \
-                and self.latest[0][3] == inv_freq.device:
-            return self.latest[3]
+        if positions is self.positions and self.key[2:] == (dtype, inv_freq.device):
+            return self.cached
         key = (int(positions[0]), positions.shape[0], dtype, inv_freq.device)
-        if self.latest is None or self.latest[0] != key:
-            self.latest = (key, positions, dtype, rope_tables(positions, inv_freq, dtype))
-        else:
-            self.latest = (key, positions, dtype, self.latest[3])
-        return self.latest[3]
+        if key != self.key:
+            self.key, self.cached = key, rope_tables(positions, inv_freq, dtype)
+        self.positions = positions
+        return self.cached
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,10 @@ ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # gated_mul's codes
 class FusedDecode:
     """One layer's arguments for the two compiled calls, gathered at load.
 
-    Invariant: every linear of the layer holds GGUF blocks the CPU kernels
-    read (``Linear.cpu_blocks``), so ``blocks`` and ``types`` name them;
-    the attention module has the fields every model file's does
-    (``args``, ``layer``, ``rope``, ``inv_freq``, ``q_norm``/``k_norm``).
+    Invariant: every projection of the layer holds GGUF blocks the CPU
+    kernels read (its ``Projections.blocks``, made at load, are what the
+    calls take); the attention module has the fields every model file's does
+    (``args``, ``layer``, ``rope``, ``inv_freq``, ``qkv``, ``q_norm``/``k_norm``).
     """
 
     def __init__(self, attn_norm: RMSNorm, attention: nn.Module, ffn_norm: RMSNorm, mlp: GatedMLP, act: str,
@@ -40,14 +40,14 @@ class FusedDecode:
         a = attention.args
         self.layer, self.rope, self.inv_freq = attention.layer, attention.rope, attention.inv_freq
         self.scale = a.attention_scale
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        biases = [p.bias for p in projections]
-        self.attention_args = (
-            attn_norm.weight, attn_norm.eps, [p.qweight.data for p in projections],
-            [int(p.qweight.qtype) for p in projections], biases if biases[0] is not None else [],
-            _weight(attention.q_norm), _weight(attention.k_norm), a.n_heads, a.n_kv_heads, a.head_dim)
-        self.o_proj = (attention.o_proj.qweight.data, int(attention.o_proj.qweight.qtype), _weight(post_attn_norm))
-        self.mlp_args = (ffn_norm.weight, ffn_norm.eps, *_blocks(mlp.gate), *_blocks(mlp.up), *_blocks(mlp.down),
+        # The GEMV arguments the layer's Projections made at load.
+        (gate, up), (gate_type, up_type) = mlp.gate_up.blocks
+        biases = [p.bias for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+        self.attention_args = (attn_norm.weight, attn_norm.eps, *attention.qkv.blocks,
+                               biases if biases[0] is not None else [], _weight(attention.q_norm),
+                               _weight(attention.k_norm), a.n_heads, a.n_kv_heads, a.head_dim)
+        self.o_proj = (*_single(attention.o_proj), _weight(post_attn_norm))
+        self.mlp_args = (ffn_norm.weight, ffn_norm.eps, gate, gate_type, up, up_type, *_single(mlp.down),
                          ACTIVATIONS[act], _weight(post_ffn_norm))
 
     @classmethod
@@ -56,10 +56,10 @@ class FusedDecode:
         """The fused step of a layer made of these modules, or None where any
         part is off the CPU kernels (another backend, a weight type they do
         not read, biases on some projections only)."""
-        linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate, mlp.up, mlp.down]
+        projections = [attention.qkv, attention.o_proj.projection, mlp.gate_up, mlp.down.projection]
         norms = [n for n in (attn_norm, ffn_norm, post_attn_norm, post_ffn_norm, attention.q_norm, attention.k_norm)
                  if n is not None]
-        if not all(layer.cpu_blocks for layer in linears) or not all(n.cpu_kernel for n in norms):
+        if any(p.blocks is None for p in projections) or not all(n.cpu_kernel for n in norms):
             return None
         if len({n.eps for n in norms}) > 1:  # the blocks take one eps
             return None
@@ -91,5 +91,7 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-def _blocks(layer: Linear) -> tuple[torch.Tensor, int]:
-    return layer.qweight.data, int(layer.qweight.qtype)
+def _single(layer: Linear) -> tuple[torch.Tensor, int]:
+    """A one-weight layer's blocks and type id, from its ``Projections``."""
+    (blocks,), (qtype,) = layer.projection.blocks
+    return blocks, qtype

@@ -15,6 +15,7 @@ from helpers import assert_bit_exact, gguf_reference, matmul_tolerance, random_q
 
 from strata_kernels import QuantTensor, block_format, cpu_kernels, dequantize, qmatmul
 from strata_kernels.launch import CPU_GEMV_MAX_M, CPU_SLAB_ROWS
+from strata_kernels.paging import BlockTables
 
 CPU_TYPES = sorted(cpu_kernels.CPU_KERNEL_TYPES, key=lambda t: t.value)
 
@@ -225,13 +226,20 @@ def test_decode_ops_bad_input_is_clear():
     with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 \[T, 1, D\]"):
         cpu_kernels.rms_norm(x, torch.ones(64), 1e-6, rope=(torch.ones(3, 1, 64), torch.ones(3, 1, 64)))
     k = torch.zeros(10, 1, 40)
+    at = lambda *p: torch.tensor(p, dtype=torch.long)  # noqa: E731
+    ring = BlockTables.contiguous(10)
     with pytest.raises(RuntimeError, match="head dim 40 is not a multiple of 16"):
-        cpu_kernels.attention_decode(torch.zeros(2, 40), k, k, 2, None, 1.0)
+        cpu_kernels.attention_decode(torch.zeros(1, 2, 40), k, k, at(2), None, 1.0, ring)
     k = torch.zeros(10, 1, 64)
-    with pytest.raises(RuntimeError, match="position 12 sees 13 positions, more than the 10 slots hold"):
-        cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, 12, None, 1.0)
-    with pytest.raises(RuntimeError, match="new_k and new_v must hold 1 x 64 values"):
-        cpu_kernels.attention_decode(torch.zeros(2, 64), k, k, 3, None, 1.0, torch.zeros(2, 64), torch.zeros(2, 64))
+    with pytest.raises(RuntimeError, match="position 12 sees 13 positions, more than its 10 slots hold"):
+        cpu_kernels.attention_decode(torch.zeros(1, 2, 64), k, k, at(12), None, 1.0, ring)
+    with pytest.raises(RuntimeError, match="new_k and new_v must hold 1 x 1 x 64 values"):
+        cpu_kernels.attention_decode(torch.zeros(1, 2, 64), k, k, at(3), None, 1.0, ring, torch.zeros(2, 64),
+                                     torch.zeros(2, 64))
+    with pytest.raises(RuntimeError, match="block 7 is not in 0..4"):
+        cpu_kernels.attention_decode(torch.zeros(1, 2, 64), k, k, at(1), None, 1.0, BlockTables.of([[7]], 2))
+    with pytest.raises(RuntimeError, match="block_size 3 does not divide the 10 slots"):
+        cpu_kernels.attention_decode(torch.zeros(1, 2, 64), k, k, at(1), None, 1.0, BlockTables.of([[0]], 3))
     with pytest.raises(RuntimeError, match="gate and up must be float32 or bfloat16 tensors of one shape and dtype"):
         cpu_kernels.gelu_tanh_mul(torch.zeros(3), torch.zeros(4))
     with pytest.raises(RuntimeError, match="gate and up must be float32 or bfloat16 tensors of one shape and dtype"):
@@ -289,7 +297,9 @@ def test_fused_decode_blocks_equal_their_kernels_one_by_one(dtype, variant):
         q, kk, v = q + biases[0], kk + biases[1], v + biases[2]
     q = cpu_kernels.rms_norm(q.view(1, heads, d), qk[0], eps if qk[0] is not None else 0.0, None, (cos, sin))
     kk = cpu_kernels.rms_norm(kk.view(1, kv_heads, d), qk[1], eps if qk[1] is not None else 0.0, None, (cos, sin))
-    att = cpu_kernels.attention_decode(q[0].float(), *expected_rings, pos, None, scale, kk, v.view(1, kv_heads, d))
+    positions, ring = torch.tensor([pos]), BlockTables.contiguous(capacity)
+    att = cpu_kernels.attention_decode(q.float(), *expected_rings, positions, None, scale, ring, kk,
+                                       v.view(1, kv_heads, d))
     y = cpu_kernels.gemv(att.reshape(1, heads * d).to(dtype), o)
     x1 = cpu_kernels.rms_norm(y, post[0], eps, x) if post[0] is not None else x + y
     h = cpu_kernels.rms_norm(x1, norms[1], eps)
@@ -298,7 +308,8 @@ def test_fused_decode_blocks_equal_their_kernels_one_by_one(dtype, variant):
     x2 = cpu_kernels.rms_norm(y, post[1], eps, x1) if post[1] is not None else x1 + y
 
     fused1 = k.attention_block(x, norms[0], eps, [w.data for w in qkv], [int(w.qtype) for w in qkv], biases, *qk,
-                               heads, kv_heads, d, cos, sin, *rings, pos, None, scale, o.data, int(o.qtype), post[0])
+                               heads, kv_heads, d, cos, sin, *rings, positions, None, scale, ring.tables,
+                               ring.lengths, ring.block_size, o.data, int(o.qtype), post[0])
     assert torch.equal(fused1, x1) and all(torch.equal(a, b) for a, b in zip(rings, expected_rings))
     fused2 = k.mlp_block(fused1, norms[1], eps, gate.data, int(gate.qtype), up.data, int(up.qtype), down.data,
                          int(down.qtype), 1, post[1])

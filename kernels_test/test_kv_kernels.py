@@ -13,6 +13,8 @@ from helpers import report_mismatch
 from strata_kernels import KVStore, attention, kv_read, kv_write, kv_write_consecutive, write_and_attend
 from strata_kernels.kv_quant import bytes_per_token, hadamard
 from strata_kernels.formats import lookup_table
+from strata_kernels.attention import decode_attention
+from strata_kernels.paging import BlockTables
 from strata_kernels.reference import kv_dequantize, kv_quantize
 
 FORMATS = ["f16", "int8", "k8v4"]
@@ -181,6 +183,71 @@ def test_decode_split_over_the_context(fmt):
     by_cpu = attention(q, store, context - 1, None, 0.125, backend="cpu")  # chunks of 128 across threads
     assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
+
+
+# Three sequences in one store of 16-slot blocks, their blocks scattered and
+# interleaved; the sliding case's tables are rings of 4 blocks (window 40 plus
+# a chunk of 16, rounded up), which its 150 positions wrap twice.
+SCATTERED = [[5, 2, 9, 0, 14, 7, 11, 3, 17, 20], [1, 12, 6, 19, 4, 15, 8, 21, 16, 23], [13, 10, 18, 22]]
+
+
+@pytest.mark.parametrize("fmt,float_dtype", [("f16", torch.float32), ("f16", torch.bfloat16), ("int8", None),
+                                             ("k8v4", None)], ids=["f16", "f16-bf16", "int8", "k8v4"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype, window):
+    """Prefill chunks and decode steps of three sequences sharing one store
+    through block tables equal each sequence alone in its own ring, on every
+    backend; a batched decode step (``decode_attention``, one CPU kernel
+    call for all three) equals the three steps one by one."""
+    hkv, group, d, bs, chunk = 2, 4, 64, 16, 16
+    lengths = [150, 97, 61]
+    tables = [row[:4] if window else row for row in SCATTERED]
+    if not window:
+        tables[2] = tables[2][:4]  # 61 positions: 4 blocks
+    shared = KVStore.allocate(fmt, 24 * bs, hkv, d, float_dtype=float_dtype)
+    alone = [KVStore.allocate(fmt, n, hkv, d, float_dtype=float_dtype) for n in lengths]
+    data = [(_rand(n, hkv, d, seed=10 + i), _rand(n, hkv, d, seed=20 + i)) for i, n in enumerate(lengths)]
+    seq_tables = [BlockTables.of([t], bs) for t in tables]
+    for i, n in enumerate(lengths):
+        k, v = data[i]
+        for s0 in range(0, n - 1, chunk):
+            s1 = min(n - 1, s0 + chunk)
+            q = _rand(s1 - s0, hkv * group, d, seed=s0 + i)
+            expected = write_and_attend(q, k[s0:s1], v[s0:s1], alone[i], s0, window, d**-0.5, "torch")
+            for backend in ("torch", "triton", "cpu"):
+                if backend != "torch":  # the other backends read what torch's write left
+                    got = attention(q, shared, s0, window, d**-0.5, backend, seq_tables[i])
+                else:
+                    got = write_and_attend(q, k[s0:s1], v[s0:s1], shared, s0, window, d**-0.5, backend,
+                                           seq_tables[i])
+                assert torch.allclose(got, expected, atol=2e-5), (backend, report_mismatch(got, expected, 2e-5))
+    # The last position of every sequence, one query each, as one batched step.
+    q = _rand(3, hkv * group, d, seed=99)
+    last_k = torch.stack([k[-1] for k, _ in data])
+    last_v = torch.stack([v[-1] for _, v in data])
+    positions = torch.tensor([n - 1 for n in lengths])
+    expected = torch.cat([write_and_attend(q[i:i + 1], last_k[i:i + 1], last_v[i:i + 1], alone[i], n - 1, window,
+                                           d**-0.5, "torch") for i, n in enumerate(lengths)])
+    for backend in ("torch", "cpu"):
+        got = decode_attention(q, last_k, last_v, shared, positions, window, d**-0.5,
+                               BlockTables.of(tables, bs), backend)
+        assert torch.allclose(got, expected, atol=2e-5), (backend, report_mismatch(got, expected, 2e-5))
+    for i, n in enumerate(lengths):  # every position each sequence keeps reads back as written
+        first = 0 if window is None else max(0, n - 4 * bs)
+        a = kv_read(shared, torch.arange(first, n), seq_tables[i])
+        b = kv_read(alone[i], torch.arange(first, n))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_block_tables_find_slots_and_merge_runs():
+    tables = BlockTables.of([[3, 4, 0]], 8)
+    assert tables.capacity() == 24
+    assert tables.runs(0, 0, 24) == [(0, 24, 16), (16, 0, 8)]  # blocks 3 and 4 are adjacent: one run
+    assert tables.runs(0, 20, 30) == [(20, 4, 4), (24, 24, 6)]  # the ring wraps to block 3
+    assert tables.runs(0, 0, 16, limit=10) == [(0, 24, 8), (8, 32, 8)]  # each at most 10
+    assert [tables.slot(0, p) for p in (0, 9, 17, 25)] == [24, 33, 1, 25]
+    assert tables.slots(0, torch.tensor([0, 9, 17, 25])).tolist() == [24, 33, 1, 25]
+    assert BlockTables.contiguous(10).runs(0, 7, 13) == [(7, 7, 3), (10, 0, 3)]
 
 
 def test_bad_shapes_are_clear():

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from .formats import lookup_table
 from .kv_quant import KVStore
+from .paging import BlockTables
 
 FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}
 
@@ -30,18 +31,20 @@ def _kv_tile(data, scales, levels, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.
 
 @triton.jit
 def _attention_kernel(
-    q, k, v, k_scales, v_scales, levels, part_acc, part_ml,
-    T, HKV, G, start, capacity, n_slots, slots_per_split, window, scale,
+    q, k, v, k_scales, v_scales, levels, table, part_acc, part_ml,
+    T, HKV, G, start, capacity, block_size, n_slots, slots_per_split, window, scale,
     D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # q:        [T, HKV * G, D] float queries at positions start..start+T-1 (contiguous)
-    # k, v:     cache of one layer, [capacity, HKV, D] (f16/int8) or [capacity, HKV, D // 2] (k8v4 values);
-    #           position p lives in slot p % capacity; n_slots = min(capacity, start + T) slots are filled
+    # k, v:     cache of one layer, [slots, HKV, D] (f16/int8) or [slots, HKV, D // 2] (k8v4 values)
+    # table:    [capacity // block_size] int32, the sequence's blocks: position p lives in its ring's
+    #           logical slot p % capacity, which is store slot table[ls // block_size] * block_size
+    #           + ls % block_size; n_slots = min(capacity, start + T) logical slots are filled
     # levels:   [16] float32 IQ4_NL levels the k8v4 value codes index
     # part_acc: [splits, HKV, T * G, D] float32 unnormalised outputs of each split
     # part_ml:  [splits, HKV, T * G, 2] float32 running max and sum of each split
     # grid:     (cdiv(T * G, BLOCK_M), HKV, splits); rows r = t * G + g are (query token, head in group)
-    #           pairs of one KV head; split s scans slots [s * slots_per_split, (s+1) * slots_per_split)
+    #           pairs of one KV head; split s scans logical slots [s * slots_per_split, (s+1) * slots_per_split)
     pr = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
@@ -63,7 +66,8 @@ def _attention_kernel(
         slot_ok = slots < hi
         safe = tl.where(slot_ok, slots, 0)
         k_pos = (end - 1) - ((end - 1 - safe) % capacity)
-        keys = _kv_tile(k, k_scales, levels, safe[:, None], kvh, HKV, d[None, :], D, FMT, False)
+        physical = tl.load(table + safe // block_size).to(tl.int64) * block_size + safe % block_size
+        keys = _kv_tile(k, k_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, False)
         s = tl.dot(qs, tl.trans(keys), input_precision="ieee") * scale
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
         allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
@@ -73,7 +77,7 @@ def _attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         corr = tl.exp(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
         l_i = l_i * corr + tl.sum(p, axis=1)
-        values = _kv_tile(v, v_scales, levels, safe[:, None], kvh, HKV, d[None, :], D, FMT, True)
+        values = _kv_tile(v, v_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, True)
         acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
         m_i = m_new
     out_row = (sp * HKV + kvh) * T * G + r
@@ -83,11 +87,12 @@ def _attention_kernel(
 
 
 def attention_triton(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float,
-                     splits: int, block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
+                     tables: BlockTables, splits: int, block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
     t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
-    n_slots = min(store.capacity, start + t)
+    capacity = tables.capacity(0)
+    n_slots = min(capacity, start + t)
     per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n) * block_n
     splits = triton.cdiv(n_slots, per_split)
     part_acc = torch.empty((splits, hkv, t * g, d), dtype=torch.float32, device=q.device)
@@ -97,8 +102,8 @@ def attention_triton(q: torch.Tensor, store: KVStore, start: int, window: int | 
         q.contiguous(), store.k, store.v,
         store.k_scales if store.k_scales is not None else dummy,
         store.v_scales if store.v_scales is not None else dummy,
-        lookup_table("iq4nl_values", q.device), part_acc, part_ml,
-        t, hkv, g, start, store.capacity, n_slots, per_split, window or 0, scale,
+        lookup_table("iq4nl_values", q.device), tables.tables[0].to(q.device), part_acc, part_ml,
+        t, hkv, g, start, capacity, tables.block_size, n_slots, per_split, window or 0, scale,
         D=d, FMT=FORMAT_CODES[store.fmt], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     # Log-sum-exp merge of the splits.

@@ -6,13 +6,16 @@ import torch
 
 from .kv_quant import KVStore, hadamard, kv_write_consecutive
 from .launch import attention_settings, resolve_backend
+from .paging import BlockTables
 
 
 def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float,
-              backend: str = "auto") -> torch.Tensor:
-    """Causal grouped-query attention for queries ``q`` ``[T, H, D]`` at
-    positions ``start..start+T-1``, over ``store`` already holding positions
-    up to ``start+T-1``; a sliding layer passes its ``window``. One query
+              backend: str = "auto", tables: BlockTables | None = None) -> torch.Tensor:
+    """Causal grouped-query attention for queries ``q`` ``[T, H, D]`` of one
+    sequence at positions ``start..start+T-1``, over ``store`` already
+    holding positions up to ``start+T-1`` in the slots of the sequence's
+    block table ``tables`` (one row; None: the store is the sequence's own
+    ring); a sliding layer passes its ``window``. One query
     (decode) splits the context across programs and merges the parts by
     log-sum-exp; many (prefill) tile the queries. Returns float32 ``[T, H, D]``.
     A rotated (quantized) store is scored with the query rotated like its
@@ -27,26 +30,29 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
         )
     if start < 0 or t < 1:
         raise ValueError(f"need at least one query at a position >= 0, got T={t}, start={start}")
+    if tables is None:
+        tables = BlockTables.contiguous(store.capacity, q.device)
     chosen = resolve_backend(q.device, backend)
     if chosen == "cpu" and _cpu_decode(q, store):
         # A decode step over float32 or bfloat16 storage: the compiled kernel,
-        # reading the visible ring slots in place (the window's first position on).
+        # reading the visible slots in place (the window's first position on).
         from . import cpu_kernels
 
-        return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, start, window, scale).reshape(1, h, d)
+        positions = torch.tensor([start], dtype=torch.long)
+        return cpu_kernels.attention_decode(q.float(), store.k, store.v, positions, window, scale, tables)
     if chosen == "cpu" and _cpu_storage(store):
-        return _prefill_sdpa(q, store, start, window, scale)
+        return _prefill_sdpa(q, store, start, window, scale, tables)
     if store.rotated:
         q = q.float() @ hadamard(d, q.device)
     if chosen in ("torch", "cpu"):  # the CPU kernel covers the decode case above only
         from .reference import attention as attention_torch
 
-        out = attention_torch(q, store, start, window, scale)
+        out = attention_torch(q, store, start, window, scale, tables=tables)
     else:
         from ._triton_attention import attention_triton
 
-        s = attention_settings(t, h // store.kv_heads, min(store.capacity, start + t), d)
-        out = attention_triton(q, store, start, window, scale, s.splits, s.block_m, s.block_n, s.num_warps)
+        s = attention_settings(t, h // store.kv_heads, min(tables.capacity(0), start + t), d)
+        out = attention_triton(q, store, start, window, scale, tables, s.splits, s.block_m, s.block_n, s.num_warps)
     return out @ hadamard(d, out.device) if store.rotated else out
 
 
@@ -66,7 +72,8 @@ def _cpu_decode(q: torch.Tensor, store: KVStore) -> bool:
     return q.shape[0] == 1 and cpu_decode_reads(store)
 
 
-def _prefill_sdpa(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float) -> torch.Tensor:
+def _prefill_sdpa(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float,
+                  tables: BlockTables) -> torch.Tensor:
     """Many queries over float32/bfloat16 storage through torch's fused CPU
     attention (flash-style tiles, no [T, n] score matrix per head in memory,
     which the reference's chunked softmax costs as five torch ops per
@@ -74,12 +81,11 @@ def _prefill_sdpa(q: torch.Tensor, store: KVStore, start: int, window: int | Non
     causal (and window) mask, the keys and values in the queries' dtype
     (float32 on the exact path's precision, bfloat16 where the activations
     are). Returns float32 ``[T, H, D]``."""
-    from .reference import slot_runs
-
     t, h, d = q.shape
     end = start + t
     first = 0 if window is None else max(0, start - window + 1)
-    runs = slot_runs(first, end, store.capacity)
+    runs = tables.runs(0, first, end)
+
     def visible(ring: torch.Tensor) -> torch.Tensor:  # in position order; a view where the slots are one run
         parts = [ring[slot:slot + n] for _, slot, n in runs]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -99,16 +105,41 @@ def _prefill_sdpa(q: torch.Tensor, store: KVStore, start: int, window: int | Non
 
 
 def write_and_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, store: KVStore, start: int,
-                     window: int | None, scale: float, backend: str = "auto") -> torch.Tensor:
-    """``kv_write_consecutive(store, start, keys, values)`` then ``attention(q,
-    store, start, window, scale)``: a layer's step. On the CPU kernel's decode
-    case the two are one call (the kernel writes the row it is about to read)."""
+                     window: int | None, scale: float, backend: str = "auto",
+                     tables: BlockTables | None = None) -> torch.Tensor:
+    """``kv_write_consecutive(store, start, keys, values, tables=tables)`` then
+    ``attention(q, store, start, window, scale, tables=tables)``: one
+    sequence's step in a layer. On the CPU kernel's decode case the two are
+    one call (the kernel writes the row it is about to read)."""
+    if tables is None:
+        tables = BlockTables.contiguous(store.capacity, q.device)
     cpu = resolve_backend(q.device, backend) == "cpu"
     if cpu and _cpu_decode(q, store) and keys.shape == values.shape == (1, store.kv_heads, store.head_dim):
+        return decode_attention(q, keys, values, store, torch.tensor([start], dtype=torch.long), window, scale,
+                                tables, backend)
+    kv_write_consecutive(store, start, keys, values, backend, tables)
+    return attention(q, store, start, window, scale, backend, tables)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, store: KVStore,
+                     positions: torch.Tensor, window: int | None, scale: float, tables: BlockTables,
+                     backend: str = "auto") -> torch.Tensor:
+    """A decode step of ``B`` sequences in one layer: sequence ``b``'s key and
+    value ``[B, Hkv, D]`` written at ``positions[b]`` (int64 ``[B]``, on the
+    CPU) through row ``b`` of ``tables``, then its one query ``q[b]``
+    ``[B, H, D]`` attending over its positions up to there. Float32
+    ``[B, H, D]``. The CPU kernels take the whole batch in one call (its
+    chunks shared among the threads); other backends take one sequence at a time."""
+    b, h, d = q.shape
+    if len(tables) != b or positions.shape != (b,) or keys.shape != (b, store.kv_heads, store.head_dim):
+        raise ValueError(f"a decode step of {b} sequences needs {b} block tables, positions [{b}] and keys "
+                         f"[{b}, {store.kv_heads}, {store.head_dim}]; got {len(tables)}, "
+                         f"{tuple(positions.shape)} and {tuple(keys.shape)}")
+    if resolve_backend(q.device, backend) == "cpu" and cpu_decode_reads(store):
         from . import cpu_kernels
 
-        h, d = q.shape[1], q.shape[2]
-        return cpu_kernels.attention_decode(q[0].float(), store.k, store.v, start, window, scale,
-                                            keys, values).reshape(1, h, d)
-    kv_write_consecutive(store, start, keys, values, backend)
-    return attention(q, store, start, window, scale, backend)
+        return cpu_kernels.attention_decode(q.float(), store.k, store.v, positions, window, scale, tables,
+                                            keys, values)
+    starts = positions.tolist()
+    return torch.cat([write_and_attend(q[i:i + 1], keys[i:i + 1], values[i:i + 1], store, starts[i], window, scale,
+                                       backend, tables.one(i)) for i in range(b)])

@@ -302,15 +302,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return built().rms_norm(x.contiguous(), weight, eps, residual, cos, sin)
 
 
-def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, window: int | None,
-                     scale: float, new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
-    """One query at ``position``: ``q`` ``[H, D]`` float32 over a ring of keys
-    and values ``[capacity, Hkv, D]`` (both float32 or both bfloat16; position
-    p in slot ``p % capacity``), every position from ``max(0, position -
-    window + 1)`` (0 without a window) on; ``[H, D]`` float32. With ``new_k``
-    and ``new_v`` (``[1, Hkv, D]``), the query's own key and value are written
-    into its slot first. Each K and V row is read once; D a multiple of 16."""
-    return built().attention_decode(q.contiguous(), k, v, position, window, scale, new_k, new_v)
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     window: int | None, scale: float, tables, new_k: torch.Tensor | None = None,
+                     new_v: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence: ``q`` ``[B, H, D]`` float32 at ``positions``
+    (int64 ``[B]``) over keys and values ``[slots, Hkv, D]`` (both float32 or
+    both bfloat16) read through the sequences' block tables (a
+    ``paging.BlockTables`` of ``B`` rows), every position from
+    ``max(0, position - window + 1)`` (0 without a window) on; ``[B, H, D]``
+    float32. With ``new_k`` and ``new_v`` (``[B, Hkv, D]``), each query's own
+    key and value are written into its slot first. Each K and V row is read
+    once; D a multiple of 16."""
+    return built().attention_decode(q.contiguous(), k, v, positions, window, scale, tables.tables, tables.lengths,
+                                    tables.block_size, new_k, new_v)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The KV cache formats and quantize-on-write.
 
-A layer's cache is a ``KVStore``: ``capacity`` slots, position ``p`` living in
-slot ``p % capacity`` (a ring: full-attention layers get enough slots never to
-wrap, sliding-window layers get their window plus one prefill chunk).
+A layer's cache is a ``KVStore``: ``capacity`` slots. A sequence finds its
+positions there through its block table (``paging.BlockTables``); a store
+one sequence owns outright is a ring, position ``p`` in slot ``p % capacity``
+(full-attention layers get enough slots never to wrap, sliding-window layers
+their window plus one prefill chunk).
 
 - ``f16``: keys and values as floats (float16 on a GPU; float32 on the CPU,
   where it is faster and exact).
@@ -36,6 +38,7 @@ from functools import lru_cache
 import torch
 
 from .launch import resolve_backend
+from .paging import BlockTables
 
 KV_FORMATS = ("f16", "int8", "k8v4")
 INT8_GROUP = 64
@@ -137,33 +140,35 @@ def _check_rows(store: KVStore, keys: torch.Tensor, values: torch.Tensor) -> Non
 
 
 def kv_write_consecutive(store: KVStore, start: int, keys: torch.Tensor, values: torch.Tensor,
-                         backend: str = "auto") -> None:
+                         backend: str = "auto", tables: BlockTables | None = None) -> None:
     """``kv_write`` at positions ``start..start+T-1``, as a sequence writes.
     Float (f16-format) storage takes plain slice copies, one per contiguous
-    run of ring slots, with no index tensors: at a decode step's one row
-    those cost more than the copy."""
+    run of slots, with no index tensors: at a decode step's one row those
+    cost more than the copy."""
     if store.fmt != "f16":
-        kv_write(store, torch.arange(start, start + keys.shape[0], device=keys.device), keys, values, backend)
+        kv_write(store, torch.arange(start, start + keys.shape[0], device=keys.device), keys, values, backend,
+                 tables)
         return
     _check_rows(store, keys, values)
-    from .reference import slot_runs
-
-    for pos, slot, n in slot_runs(start, start + keys.shape[0], store.capacity):
+    if tables is None:
+        tables = BlockTables.contiguous(store.capacity)
+    for pos, slot, n in tables.runs(0, start, start + keys.shape[0]):
         store.k[slot:slot + n] = keys[pos - start:pos - start + n]
         store.v[slot:slot + n] = values[pos - start:pos - start + n]
 
 
 def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             backend: str = "auto") -> None:
-    """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into the slots of ``positions`` ``[T]``, in place.
+             backend: str = "auto", tables: BlockTables | None = None) -> None:
+    """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into the slots of ``positions`` ``[T]``, in place:
+    the slots of one sequence's block table (``tables``, one row), or of a ring
+    (``p % capacity``) without one.
 
-    Positions must fall in distinct slots (``p % capacity``); consecutive
-    positions, as a sequence writes them, always do. Two rows aimed at one
-    slot would race."""
+    Positions must fall in distinct slots; consecutive positions, as a
+    sequence writes them, always do. Two rows aimed at one slot would race."""
     _check_rows(store, keys, values)
     if positions.shape != (keys.shape[0],):
         raise ValueError(f"positions must be [{keys.shape[0]}], got {tuple(positions.shape)}")
-    slots = positions.to(store.k.device, torch.long) % store.capacity
+    slots = _slots(store, positions, tables)
     if store.rotated:
         h = hadamard(store.head_dim, keys.device)
         keys, values = keys.float() @ h, values.float() @ h
@@ -182,11 +187,18 @@ def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values
             scales[slots] = sc
 
 
-def kv_read(store: KVStore, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[T, Hkv, D]`` (float32, original basis) at ``positions``."""
+def _slots(store: KVStore, positions: torch.Tensor, tables: BlockTables | None) -> torch.Tensor:
+    positions = positions.to(store.k.device, torch.long)
+    return positions % store.capacity if tables is None else tables.slots(0, positions)
+
+
+def kv_read(store: KVStore, positions: torch.Tensor,
+            tables: BlockTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[T, Hkv, D]`` (float32, original basis) at ``positions``
+    (of one sequence's block table ``tables``, or of a ring without one)."""
     from .reference import kv_dequantize
 
-    slots = positions.to(store.k.device, torch.long) % store.capacity
+    slots = _slots(store, positions, tables)
     k, v = kv_dequantize(store, slots)
     if store.rotated:
         h = hadamard(store.head_dim, k.device)

@@ -474,15 +474,18 @@ def slot_runs(first: int, end: int, capacity: int, limit: int | None = None) -> 
 
 
 def attention(q: torch.Tensor, store, start: int, window: int | None, scale: float,
-              chunk: int = 1024) -> torch.Tensor:
+              chunk: int = 1024, tables=None) -> torch.Tensor:
     """Causal grouped-query attention of queries ``q`` ``[T, H, D]`` at
     positions ``start..start+T-1`` over the cache ``store`` holding positions
-    up to ``start+T-1``; keys further back than ``window`` are masked (and
-    not read). Keys are dequantized ``chunk`` positions at a time, each chunk
-    a contiguous run of ring slots, with an online softmax, never the whole
-    cache at once. Works in the store's basis: a rotated store needs ``q``
-    rotated and gives its output rotated (``strata_kernels.attention`` turns
-    both). Returns ``[T, H, D]`` float32."""
+    up to ``start+T-1`` (in the slots of one sequence's block table
+    ``tables``, or of a ring without one); keys further back than ``window``
+    are masked (and not read). Keys are dequantized ``chunk`` positions at a
+    time, each chunk a contiguous run of slots, with an online softmax, never
+    the whole cache at once. Works in the store's basis: a rotated store needs
+    ``q`` rotated and gives its output rotated (``strata_kernels.attention``
+    turns both). Returns ``[T, H, D]`` float32."""
+    from .paging import BlockTables
+
     t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
@@ -490,7 +493,8 @@ def attention(q: torch.Tensor, store, start: int, window: int | None, scale: flo
     qf = q.float().reshape(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
     # Only positions some query can see: the window of the first query on.
     first = 0 if window is None else max(0, start - window + 1)
-    runs = list(slot_runs(first, end, store.capacity, chunk))
+    tables = tables if tables is not None else BlockTables.contiguous(store.capacity)
+    runs = tables.runs(0, first, end, chunk)
     # One query sees every position from ``first`` on: no mask. Float32
     # storage is read in place, so any number of runs is safe then; other
     # formats are dequantized run by run, so only up to one chunk in all.

@@ -16,8 +16,6 @@ from typing import Any, Sequence
 
 import torch
 
-from strata_kernels import slot_runs
-
 from .kv_cache import KVCache, store_fields
 from .memory import MiB
 from .staging import Lease, StagingPool
@@ -58,6 +56,7 @@ class Skipped:
 CAUSES = {
     "no_pool": "the staging pool was refused at start (telemetry unknown, no room, or strict)",
     "too_large": "larger than the whole staging pool",
+    "no_blocks": "no free KV blocks on the device to restore into",
     "pool_full": "not enough free pages even after evicting what may be evicted",
     "lease_failed": "taking pages from the pool raised",
     "out_of_memory": "the copy ran out of memory",
@@ -246,7 +245,7 @@ class ConversationCache:
             t = store_fields(cache.stores[layer])[name]
             row = t[0].numel() * t.element_size()
             stop = end if upto is None else min(end, upto)
-            for pos, slot, n in slot_runs(first, stop, t.shape[0]):
+            for pos, slot, n in cache.slot_runs(layer, first, stop):
                 pieces.append((layer, name, slot, n, offset + (pos - first) * row, n * row))
         if cache.remote is not None and cache.remote.is_remote(stage):
             cache.remote.copy_stage(cache, stage, pieces, stored.lease, to_pool)
@@ -282,7 +281,7 @@ class ConversationCache:
         if any(s.tokens == tokens and s.scope == scope for s in self.snapshots):
             return Skipped("not parked (already parked)", "not_needed")
         t0 = time.perf_counter()
-        layers = [(i, max(0, len(tokens) - s.capacity), len(tokens)) for i, s in enumerate(cache.stores)]
+        layers = [(i, max(0, len(tokens) - cache.capacity(i)), len(tokens)) for i in range(len(cache.stores))]
         # A snapshot this sequence extends is superseded: free its pages first.
         for old in [s for s in self.snapshots if tokens[:s.length] == s.tokens and s.scope == scope]:
             self._drop(old)
@@ -330,8 +329,8 @@ class ConversationCache:
     def _plan_restore(self, cache: KVCache, length: int, shared: int, prompt, scope: str):
         """Where a source holding ``length`` positions (``shared`` of them
         matching the prompt) can restart: (position, checkpoint or None)."""
-        if all(w is None or ring_serves(length, s.capacity, w, shared)
-               for w, s in zip(cache.windows, cache.stores)):
+        if all(w is None or ring_serves(length, cache.capacity(i), w, shared)
+               for i, w in enumerate(cache.windows)):
             return shared, None
         cp = self._best_checkpoint(prompt, shared, scope)
         return (cp.position, cp) if cp else (0, None)
@@ -356,6 +355,9 @@ class ConversationCache:
         t0 = time.perf_counter()
         if snap is not None:
             cache.reset()  # if the copy fails midway, the live state is cold and consistent
+            if not cache.reserve(position):
+                return self._record(Skipped("restore skipped (no free KV blocks on the device); prefilling from "
+                                            "scratch", "no_blocks"), "restore")
             failed = self._copy("restore_copy", cache, snap.stored, to_pool=False, upto=position)
             if failed:
                 return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch", failed.cause),

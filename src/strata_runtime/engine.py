@@ -17,13 +17,14 @@ from .default_model import default_model_path
 from .errors import ContextLengthError, StrataError
 from .generation import forward_chunks, generate_tokens
 from .gguf_file import GGUFFile
-from .kv_cache import KV_FORMATS, KVCache
+from .kv_cache import KV_FORMATS, KVCache, KVPool
 from .compute_path import DTYPE_NAMES
 from .loader import build_model, open_model
 from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split
 from .placement import Placement
 from .memory import MiB, HostMemory
 from .sampling import Sampler, SamplingParams
+from .scheduler import Generation, Scheduler
 from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
@@ -36,6 +37,8 @@ class EngineConfig:
     device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
     kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU, bfloat16 with dtype=bfloat16), int8, k8v4
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
+    parallel: int | None = None  # sequences decoded together (generate_many); None: 2 on a CPU, 4 on a GPU
+    kv_memory_mib: int | None = None  # the KV pool for them; None: `parallel` sequences of context_length
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     conversation_cache_mib: int = 1024  # host staging pool for parked conversations (0: none)
     conversation_cache_slots: int = 8  # parked conversations kept at most
@@ -54,6 +57,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if not isinstance(self.context_length, int) or self.context_length < 1:
             raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
+        for name in ("parallel", "kv_memory_mib"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer (or None: sized for you), got {value!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         for name in ("conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every"):
@@ -189,6 +196,8 @@ class Engine:
         )
         self._turns = TurnMarker.of(self.chat_template, tokenizer)
         self._cache: KVCache = self.new_cache(self.context_length)
+        # A split across processes steps one sequence at a time (its ranks keep one cache each).
+        self.scheduler = None if config.distributed else self._reserve_scheduler(config)
         self._cache_tokens: list[int] = []
         self._cache_scope = ""
         self.conversations = self._reserve_conversation_cache(config, memory)
@@ -228,6 +237,19 @@ class Engine:
         return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
                                  pool_refusal=decision.message.removeprefix("staging pool: "))
 
+    def _reserve_scheduler(self, config: EngineConfig) -> "Scheduler":
+        """The KV pool for sequences decoded together, reserved here, once:
+        ``kv_memory_mib``, or ``parallel`` sequences of the context length."""
+        parallel = config.parallel or (4 if self.model.device.type == "cuda" else 2)
+        spec = self.model.state_spec()
+        per_sequence = KVPool.for_sequences(config.kv, spec, self.model.placement, 1, self.context_length,
+                                            self.model.compute_path.kv_float, allocate=False).nbytes
+        sequences = parallel if config.kv_memory_mib is None else config.kv_memory_mib * MiB / per_sequence
+        pool = KVPool.for_sequences(config.kv, spec, self.model.placement, sequences, self.context_length,
+                                    self.model.compute_path.kv_float)
+        return Scheduler(self.model, pool, self.context_length, self.tokenizer.end_of_generation,
+                         max_running=parallel)
+
     def stats(self) -> dict[str, Any]:
         """Counters of the conversation cache (empty without one) and the
         staging pool's admission decision."""
@@ -259,6 +281,18 @@ class Engine:
         for _ in run:
             pass
         return run.completion
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], *, cache_scope: str = "",
+                      **sampling: Any) -> list[Completion]:
+        """Continue every prompt of ``prompts`` (text, or token ids), decoding
+        them together (up to ``parallel`` at a time, the rest waiting their
+        turn), with the sampling options of ``SamplingParams`` (a seed gives
+        each prompt the tokens it would get alone). Completions in the prompts' order."""
+        if self.scheduler is None:
+            raise StrataError("generate_many needs the engine in one process; a split across processes runs one "
+                              "sequence at a time (use generate)")
+        runs = [self._start(prompt, dict(sampling), cache_scope=cache_scope) for prompt in prompts]
+        return [run.completion for run in run_together(self.scheduler, runs)]
 
     def stream(self, prompt: str | Sequence[int], *, abort: Callable[[], bool] | None = None,
                cache_scope: str = "", **sampling: Any) -> Iterator[str]:
@@ -484,6 +518,35 @@ class _Run:
                 decode_seconds=t_end - t_first,
             )
             e.last_completion = self.completion
+
+
+def run_together(scheduler: Scheduler, runs: Sequence[_Run]) -> list[_Run]:
+    """Step ``scheduler`` until every run's generation has ended, turning
+    each one's tokens into text (stop strings end a generation early)."""
+    work = []
+    for run in runs:
+        seq = scheduler.submit(run.prompt, run.params, scope=run.scope, bounded=False)
+        work.append((run, seq, StopTextStream(run.engine.tokenizer.stream_decoder(), run.params.stop)))
+    t0 = time.perf_counter()
+    while True:
+        for run, seq, text in work:
+            for token in seq.take():
+                text.push(token)
+                if text.stopped:
+                    seq.cancel("stop")
+                    break
+        if all(seq.done for _, seq, _ in work):
+            break
+        scheduler.step()
+    t_end = time.perf_counter()
+    for run, seq, text in work:
+        text.finish()
+        t_first = seq.first_token_at or t_end
+        run.completion = Completion(text=text.emitted, tokens=seq.generated[:len(seq.generated)],
+                                    finish_reason=seq.finish_reason or "length", prompt_tokens=len(run.prompt),
+                                    cached_tokens=seq.cached_tokens, prefill_seconds=max(0.0, t_first - t0),
+                                    decode_seconds=max(0.0, t_end - t_first))
+    return list(runs)
 
 
 def _token_text(tokenizer: Tokenizer, token: int | None) -> str:

@@ -1,4 +1,4 @@
-"""The KV cache of one sequence, in a chosen format."""
+"""KV storage reserved once as blocks (``KVPool``), and one sequence's view of it (``KVCache``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 
 from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive, write_and_attend
 from strata_kernels.attention import cpu_decode_reads
+from strata_kernels.paging import BlockTables
 
 from .placement import Placement
-from .state import PREFILL_CHUNK, LayerState  # noqa: F401  (PREFILL_CHUNK: re-exported for the prefill loop)
+from .state import BLOCK_SIZE, PREFILL_CHUNK, LayerState  # noqa: F401  (PREFILL_CHUNK: re-exported for the prefill loop)
 
 
 @dataclass(frozen=True)
@@ -25,46 +26,145 @@ class CacheSnapshot:
     layers: list[dict[str, torch.Tensor]]
 
 
-class KVCache:
-    """Keys and values of every layer of one sequence, laid out as the
-    model's ``state_spec()`` says.
+class BlockGroup:
+    """The layers of one window share block ids: block ``b`` of the group is
+    slots ``b * block_size ..`` of each of its layers' stores.
 
-    Invariant: layer ``l`` holds positions ``max(0, length - capacity_l) ..
-    length - 1``, position ``p`` in slot ``p % capacity_l`` of its store.
-    Full-attention layers have ``max_tokens`` slots (they never wrap);
-    sliding-window layers have ``window + PREFILL_CHUNK`` (fewer if
-    ``max_tokens`` is smaller), which is all a chunk of queries can reach.
-    f16 values are stored as ``f16_storage_dtype`` of the layer's device
-    and the activations says (the split planner counts the same bytes).
-    Storage is allocated once, here. ``ring=False`` gives every layer full
-    capacity (the windows still mask): the equivalence tests' baseline.
+    Invariant: ``free`` and the blocks the group's sequences hold partition
+    ``0..n_blocks-1``; a sequence holds at most ``ring_blocks`` (a sliding
+    window's ring; None: a full-attention layer, which grows)."""
+
+    def __init__(self, window: int | None, block_size: int, n_blocks: int, ring_blocks: int | None):
+        self.window = window
+        self.block_size = block_size
+        self.n_blocks = n_blocks
+        self.ring_blocks = ring_blocks
+        self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...: adjacent blocks merge runs
+
+    def blocks_for(self, positions: int) -> int:
+        """Blocks a sequence of ``positions`` holds in this group."""
+        need = -(-positions // self.block_size)
+        return need if self.ring_blocks is None else min(need, self.ring_blocks)
+
+
+class KVPool:
+    """Every layer's keys and values, reserved once as blocks that sequences
+    hold (``KVCache``), grouped by window (``BlockGroup``).
+
+    Invariant: ``stores[l]`` has ``n_blocks * block_size`` slots of its
+    layer's group; nothing allocates storage after the constructor.
+    ``private`` pools are one sequence's own (one block per group, as big
+    as the sequence's capacity: the plain ring of a cache)."""
+
+    def __init__(self, fmt: str, spec: Sequence[LayerState], groups: dict[int | None, tuple[int, int, int | None]],
+                 devices: Sequence, activations: torch.dtype, layer_stages: Sequence[int], stage: int | None,
+                 float_dtype: torch.dtype | None, private: bool = False, allocate: bool = True):
+        """``groups``: per window, (block size, blocks, ring blocks or None).
+        ``allocate=False``: the stores are shapes on the meta device (sizing only)."""
+        if fmt not in KV_FORMATS:
+            raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
+        self.fmt = fmt
+        self.spec = list(spec)
+        self.private = private
+        self.groups = [BlockGroup(w, *groups[w]) for w in sorted(groups, key=lambda w: (w is not None, w or 0))]
+        index = {g.window: i for i, g in enumerate(self.groups)}
+        self.layer_group = [index[layer.window] for layer in self.spec]
+        self.layer_stages = list(layer_stages)
+        self.stores = []
+        for layer, device, owner, g in zip(self.spec, devices, self.layer_stages, self.layer_group):
+            dtype = float_dtype or f16_storage_dtype(device, activations)
+            held_here = (stage is None or owner == stage) and allocate
+            group = self.groups[g]
+            self.stores.append(KVStore.allocate(fmt, group.n_blocks * group.block_size, layer.kv_heads,
+                                                layer.head_dim, device if held_here else "meta", dtype))
+
+    @classmethod
+    def for_sequences(cls, fmt: str, spec: Sequence[LayerState], placement: Placement, sequences: float,
+                      context: int, activations: torch.dtype, block_size: int = BLOCK_SIZE,
+                      allocate: bool = True) -> "KVPool":
+        """Room for ``sequences`` (may be fractional) sequences of ``context``
+        tokens each, in blocks of ``block_size``."""
+        groups = {}
+        for layer in spec:
+            ring = None if layer.window is None else -(-layer.capacity(context) // block_size)
+            per_sequence = ring if ring is not None else -(-context // block_size)
+            groups[layer.window] = (block_size, max(1, int(sequences * per_sequence)), ring)
+        return cls(fmt, spec, groups, placement.layer_devices, activations, placement.layer_stages,
+                   placement.stage, None, allocate=allocate)
+
+    def allocate(self, group: int, n: int) -> list[int] | None:
+        free = self.groups[group].free
+        if n > len(free):
+            return None
+        return [free.pop() for _ in range(n)]
+
+    def release(self, group: int, blocks: Sequence[int]) -> None:
+        self.groups[group].free.extend(reversed(blocks))
+
+    def free_blocks(self) -> list[int]:
+        return [len(g.free) for g in self.groups]
+
+    def total_blocks(self) -> int:
+        return sum(g.n_blocks for g in self.groups)
+
+    def bytes_per_token(self) -> int:
+        """What one more token of context costs, all layers, scales included."""
+        return sum(s.bytes_per_slot() for s in self.stores)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.stores)
+
+
+class KVCache:
+    """Keys and values of every layer of one sequence, in blocks of a
+    ``KVPool`` laid out as the model's ``state_spec()`` says.
+
+    Invariant: layer ``l`` holds positions ``max(0, length - capacity(l)) ..
+    length - 1``, found through the sequence's table of its group's blocks
+    (``tables(l)``: position ``p`` in the ring of the blocks held, see
+    ``strata_kernels.paging``). Full-attention layers can hold ``max_tokens``
+    positions (they never wrap); sliding-window layers ``window +
+    PREFILL_CHUNK`` rounded up to whole blocks (fewer if ``max_tokens`` is
+    smaller), which is all a chunk of queries can reach. A sequence holds
+    the blocks its length needs (``reserve`` takes more before a step
+    writes); f16 values are stored as ``f16_storage_dtype`` of the layer's
+    device and the activations say (the split planner counts the same bytes).
+    Made by the constructor, a cache owns a private pool (its storage,
+    allocated here); ``on_pool`` makes one over a shared pool, allocating
+    nothing. ``ring=False`` gives every layer full capacity (the windows
+    still mask): the equivalence tests' baseline.
     """
 
     def __init__(self, fmt: str, spec: Sequence[LayerState], max_tokens: int,
                  devices: torch.device | str | Sequence = "cpu", activations: torch.dtype = torch.float32,
                  ring: bool = True, layer_stages: Sequence[int] | None = None, stage: int | None = None,
-                 float_dtype: torch.dtype | None = None):
+                 float_dtype: torch.dtype | None = None, pool: KVPool | None = None):
         """``devices``: one for every layer, or one per layer (a layer split).
         ``layer_stages``: the split's stage of each layer; with ``stage`` (a
         split across processes: the stage this process runs) the other
         stages' stores are shapes on the meta device, typed as their own
         devices store them. ``float_dtype`` overrides the f16 storage."""
-        if fmt not in KV_FORMATS:
-            raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
-        self.fmt = fmt
-        self.spec = list(spec)
+        spec = list(spec)
+        if pool is None:
+            devices = list(devices) if isinstance(devices, (list, tuple)) else [devices] * len(spec)
+            capacity = {layer.window: layer.capacity(max_tokens) if ring else max_tokens for layer in spec}
+            pool = KVPool(fmt, spec, {w: (c, 1, 1) for w, c in capacity.items()}, devices, activations,
+                          layer_stages if layer_stages is not None else [0] * len(spec), stage, float_dtype,
+                          private=True)
+        self.pool = pool
+        self.fmt = pool.fmt
+        self.spec = pool.spec
         self.windows = [layer.window for layer in self.spec]
         self.max_tokens = max_tokens
-        self.layer_stages = list(layer_stages) if layer_stages is not None else [0] * len(self.spec)
-        devices = list(devices) if isinstance(devices, (list, tuple)) else [devices] * len(self.spec)
-        self.stores = []
-        for layer, device, owner in zip(self.spec, devices, self.layer_stages):
-            dtype = float_dtype or f16_storage_dtype(device, activations)
-            held_here = stage is None or owner == stage
-            capacity = layer.capacity(max_tokens) if ring else max_tokens
-            self.stores.append(KVStore.allocate(fmt, capacity, layer.kv_heads, layer.head_dim,
-                                                device if held_here else "meta", dtype))
+        self.layer_stages = pool.layer_stages
+        self.stores = pool.stores
         self.length = 0
+        # Per group: the blocks held, in order, and their tables (made when they change).
+        self.blocks: list[list[int]] = [[] for _ in pool.groups]
+        self._tables: list[BlockTables | None] = [None] * len(pool.groups)
+        if pool.private:  # the one block of each group is this sequence's
+            self.blocks = [pool.allocate(g, 1) for g in range(len(pool.groups))]
         # Rank 0 of a split across processes: the stores of other ranks'
         # layers are on the meta device (shapes only) and their parts of a
         # snapshot are copied through this link (``ranks.RankPipeline``).
@@ -80,30 +180,107 @@ class KVCache:
         return cls(fmt, spec, max_tokens, placement.layer_devices, activations,
                    layer_stages=placement.layer_stages, stage=placement.stage)
 
+    @classmethod
+    def on_pool(cls, pool: KVPool, max_tokens: int) -> "KVCache":
+        """An empty sequence over ``pool``'s blocks, holding none yet."""
+        return cls(pool.fmt, pool.spec, max_tokens, pool=pool)
+
+    # --- blocks -----------------------------------------------------------------
+
+    def capacity(self, layer: int) -> int:
+        """Positions ``layer`` keeps: older ones are overwritten (a ring)."""
+        group = self.pool.groups[self.pool.layer_group[layer]]
+        if self.pool.private:
+            return group.block_size  # the one block is the whole ring
+        return self.max_tokens if group.ring_blocks is None else group.ring_blocks * group.block_size
+
+    def blocks_needed(self, n: int) -> list[int]:
+        """More blocks, per group, before ``n`` more positions can be written."""
+        return [max(0, g.blocks_for(min(self.length + n, self.max_tokens)) - len(held))
+                for g, held in zip(self.pool.groups, self.blocks)]
+
+    def reserve(self, n: int) -> bool:
+        """Hold the blocks ``n`` more positions need; False (holding what it
+        held before) where the pool has too few free."""
+        need = self.blocks_needed(n)
+        if not any(need):
+            return True
+        taken = []
+        for g, k in enumerate(need):
+            got = self.pool.allocate(g, k) if k else []
+            if got is None:
+                for g2, blocks in taken:
+                    self.pool.release(g2, blocks)
+                return False
+            taken.append((g, got))
+        for g, got in taken:
+            if got:
+                self.blocks[g] = self.blocks[g] + got
+                self._tables[g] = None
+        return True
+
+    def release(self) -> None:
+        """Give every block back to the pool (a shared pool's sequence) and empty."""
+        self.length = 0
+        if self.pool.private:
+            return
+        for g, held in enumerate(self.blocks):
+            self.pool.release(g, held)
+        self.blocks = [[] for _ in self.pool.groups]
+        self._tables = [None] * len(self.pool.groups)
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(b) for b in self.blocks)
+
+    def tables(self, layer: int) -> BlockTables:
+        """This sequence's block table for ``layer`` (one row)."""
+        g = self.pool.layer_group[layer]
+        table = self._tables[g]
+        if table is None:
+            if not self.blocks[g]:
+                raise ValueError("the sequence holds no blocks: reserve() them before a step writes")
+            table = BlockTables.of([self.blocks[g]], self.pool.groups[g].block_size, self.stores[layer].k.device
+                                   if self.stores[layer].k.device.type != "meta" else "cpu")
+            self._tables[g] = table
+        return table
+
+    def slot_runs(self, layer: int, first: int, end: int) -> list[tuple[int, int, int]]:
+        """``(first position, first slot, count)`` runs of ``layer``'s store
+        holding positions ``first..end-1``, each contiguous in the store."""
+        return self.tables(layer).runs(0, first, end)
+
     # --- writing and reading ----------------------------------------------
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize-on-write ``[T, Hkv, D]`` keys/values at positions ``start..start+T-1``."""
-        self._check_write(start, keys.shape[0])
-        kv_write_consecutive(self.stores[layer], start, keys, values)
+        self.check_write(start, keys.shape[0])
+        kv_write_consecutive(self.stores[layer], start, keys, values, tables=self.tables(layer))
 
-    def write_and_attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                         scale: float, backend: str = "auto") -> torch.Tensor:
-        """``write`` then ``attend``: a layer's step, one kernel call where the
-        CPU kernels cover it (a decode step)."""
-        self._check_write(start, keys.shape[0])
-        return write_and_attend(q, keys, values, self.stores[layer], start, self.windows[layer], scale, backend)
+    def write_and_attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                         backend: str = "auto") -> torch.Tensor:
+        """``write`` at this sequence's next positions, then ``attend``: a
+        layer's step, one kernel call where the CPU kernels cover it (a decode step)."""
+        start = self.length
+        self.check_write(start, keys.shape[0])
+        return write_and_attend(q, keys, values, self.stores[layer], start, self.windows[layer], scale, backend,
+                                self.tables(layer))
 
-    def decode_ring(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor, int | None] | None:
-        """For a one-position step at ``start`` (checked as ``write`` checks
-        it): ``layer``'s key and value rings and its window, where the CPU
-        decode kernel reads that storage in place (``attention.cpu_decode_reads``);
-        None where it does not."""
-        self._check_write(start, 1)
+    def decode_view(self, layer: int, positions: torch.Tensor) -> tuple[KVStore, int | None, BlockTables] | None:
+        """For a one-position step at ``positions`` ``[1]`` (checked as
+        ``write`` checks it): ``layer``'s store, window and this sequence's
+        table, where the CPU decode kernel reads that storage in place
+        (``attention.cpu_decode_reads``); None where it does not (or for
+        more than one position)."""
+        if positions.shape[0] != 1:
+            return None
+        self.check_write(self.length, 1)
         store = self.stores[layer]
-        return (store.k, store.v, self.windows[layer]) if cpu_decode_reads(store) else None
+        return (store, self.windows[layer], self.tables(layer)) if cpu_decode_reads(store) else None
 
-    def _check_write(self, start: int, n: int) -> None:
+    def check_write(self, start: int, n: int) -> None:
+        """Refuse a write of ``n`` positions at ``start`` that is not this
+        sequence's next, or past its room; hold the blocks it needs."""
         if start != self.length:
             raise ValueError(f"cache holds {self.length} positions; cannot write at {start}")
         if start + n > self.max_tokens:
@@ -111,15 +288,21 @@ class KVCache:
                 f"the sequence needs {start + n} positions but the cache holds {self.max_tokens}; "
                 f"load the model with a larger context_length"
             )
+        if any(self.blocks_needed(n)) and not self.reserve(n):
+            raise ValueError(f"no free KV blocks for {n} more positions: the scheduler reserves them before a step")
 
     def attend(self, layer: int, q: torch.Tensor, start: int, scale: float, backend: str = "auto") -> torch.Tensor:
         """Attention of queries ``[T, H, D]`` at ``start..`` over this layer
         (written up to ``start+T-1``), on ``strata_kernels.attention``'s ``backend``."""
-        return attention(q, self.stores[layer], start, self.windows[layer], scale, backend)
+        return attention(q, self.stores[layer], start, self.windows[layer], scale, backend, self.tables(layer))
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions written (after every layer has written them)."""
         self.length += n
+
+    def last_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of ``x`` whose logits a ``last_only`` step returns: the last."""
+        return x[-1:]
 
     # --- cutting back -------------------------------------------------------
 
@@ -128,8 +311,8 @@ class KVCache:
         the new length. A ring that has already overwritten what the kept
         prefix needs cannot be cut back: then the cache empties (0)."""
         length = min(self.length, max(0, length))
-        for w, store in zip(self.windows, self.stores):
-            oldest_kept = self.length - store.capacity
+        for layer, w in enumerate(self.windows):
+            oldest_kept = self.length - self.capacity(layer)
             # The next query (at ``length``) reaches back to ``length - w + 1``.
             if w is not None and oldest_kept > max(0, length - w + 1):
                 length = 0
@@ -144,7 +327,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.stores)
+        """What this sequence's storage takes: its private pool, or the blocks it holds."""
+        if self.pool.private:
+            return self.pool.nbytes
+        return sum(len(self.blocks[g]) * self.pool.groups[g].block_size * s.bytes_per_slot()
+                   for g, s in zip(self.pool.layer_group, self.stores))
 
     def bytes_per_token(self) -> int:
         """What one more token of context costs, all layers, scales included."""
@@ -152,11 +339,16 @@ class KVCache:
 
     # --- export / import ------------------------------------------------------
 
+    def _slots(self, layer: int, length: int) -> torch.Tensor:
+        """Slots of the positions ``layer`` keeps of the first ``length``, in position order."""
+        first = max(0, length - self.capacity(layer))
+        store = self.stores[layer]
+        return self.tables(layer).slots(0, torch.arange(first, length, device=store.k.device))
+
     def export(self) -> CacheSnapshot:
         layers = []
-        for store in self.stores:
-            first = max(0, self.length - store.capacity)
-            slots = torch.arange(first, self.length, device=store.k.device) % store.capacity
+        for i, store in enumerate(self.stores):
+            slots = self._slots(i, self.length)
             layers.append({name: t[slots].clone() for name, t in store_fields(store).items()})
         return CacheSnapshot(self.fmt, self.length, layers)
 
@@ -166,9 +358,11 @@ class KVCache:
                              f"{self.fmt} cache of {len(self.stores)} layers")
         if snapshot.length > self.max_tokens:
             raise ValueError(f"the snapshot holds {snapshot.length} positions; this cache holds {self.max_tokens}")
-        for store, saved in zip(self.stores, snapshot.layers):
-            first = max(0, snapshot.length - store.capacity)
-            slots = torch.arange(first, snapshot.length, device=store.k.device) % store.capacity
+        self.length = 0
+        if not self.reserve(snapshot.length):
+            raise ValueError(f"no free KV blocks for the snapshot's {snapshot.length} positions")
+        for i, (store, saved) in enumerate(zip(self.stores, snapshot.layers)):
+            slots = self._slots(i, snapshot.length)
             for name, t in store_fields(store).items():
                 if saved[name].shape[0] != slots.shape[0]:
                     raise ValueError("the snapshot's layers were taken with different capacities")

@@ -17,6 +17,9 @@ from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
 # Prefill runs in chunks of at most this many tokens, so a sliding-window
 # layer's ring needs only its window plus one chunk of slots.
 PREFILL_CHUNK = 512
+# Positions per KV block: the unit sequences hold and share in a pool (a
+# multiple of every kernel's position tile).
+BLOCK_SIZE = 32
 
 
 @dataclass(frozen=True)

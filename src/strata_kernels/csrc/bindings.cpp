@@ -11,14 +11,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), py::arg("cos") = py::none(),
         py::arg("sin") = py::none());
   m.def("attention_decode", &strata_cpu::attention_decode,
-        "one query's attention over a float32 or bfloat16 K/V ring, after writing its own key and value",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("position"), py::arg("window"), py::arg("scale"),
-        py::arg("new_k") = py::none(), py::arg("new_v") = py::none());
+        "one query per sequence over float32 or bfloat16 K/V blocks read through block tables, after writing "
+        "each query's own key and value",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"), py::arg("window"), py::arg("scale"),
+        py::arg("tables"), py::arg("table_lengths"), py::arg("block_size"), py::arg("new_k") = py::none(),
+        py::arg("new_v") = py::none());
   m.def("gated_mul", &strata_cpu::gated_mul, "act(gate) * up (act 0: gelu_tanh, 1: silu), in float32 inside",
         py::arg("gate"), py::arg("up"), py::arg("act"));
   m.def("attention_block", &strata_cpu::attention_block,
-        "a decoder layer's attention half for one position: x + o(attention(rope(q), rope(k), v)), fused");
-  m.def("mlp_block", &strata_cpu::mlp_block, "a decoder layer's MLP half for one position: x + down(act(gate) * up)");
+        "a decoder layer's attention half for one position per sequence: x + o(attention(rope(q), rope(k), v)), fused");
+  m.def("mlp_block", &strata_cpu::mlp_block, "a decoder layer's MLP half for rows of hidden states: x + down(act(gate) * up)");
   m.attr("max_m") = strata_cpu::kMaxM;
   m.attr("simd") = strata_cpu::kSimd;  // the Lanes the kernels were built with
 }

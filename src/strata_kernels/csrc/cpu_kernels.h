@@ -22,8 +22,9 @@ void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor ou
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> weight, double eps,
                        std::optional<torch::Tensor> residual, std::optional<torch::Tensor> cos,
                        std::optional<torch::Tensor> sin);
-torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t position,
-                               std::optional<int64_t> window, double scale, std::optional<torch::Tensor> new_k,
+torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
+                               std::optional<int64_t> window, double scale, torch::Tensor tables,
+                               torch::Tensor table_lengths, int64_t block_size, std::optional<torch::Tensor> new_k,
                                std::optional<torch::Tensor> new_v);
 torch::Tensor gated_mul(torch::Tensor gate, torch::Tensor up, int64_t act);
 
@@ -32,8 +33,9 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, s
                               std::vector<int64_t> qkv_types, std::vector<torch::Tensor> qkv_bias,
                               std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
                               int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor k_ring, torch::Tensor v_ring, int64_t position,
-                              std::optional<int64_t> window, double scale, torch::Tensor o, int64_t o_type,
+                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor positions,
+                              std::optional<int64_t> window, double scale, torch::Tensor tables,
+                              torch::Tensor table_lengths, int64_t block_size, torch::Tensor o, int64_t o_type,
                               std::optional<torch::Tensor> post_norm);
 torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor gate, int64_t gate_type,
                         torch::Tensor up, int64_t up_type, torch::Tensor down, int64_t down_type, int64_t act,

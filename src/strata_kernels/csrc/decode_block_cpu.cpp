@@ -28,10 +28,12 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, s
                               std::vector<int64_t> qkv_types, std::vector<torch::Tensor> qkv_bias,
                               std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
                               int64_t heads, int64_t kv_heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor k_ring, torch::Tensor v_ring, int64_t position,
-                              std::optional<int64_t> window, double scale, torch::Tensor o, int64_t o_type,
+                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor positions,
+                              std::optional<int64_t> window, double scale, torch::Tensor tables,
+                              torch::Tensor table_lengths, int64_t block_size, torch::Tensor o, int64_t o_type,
                               std::optional<torch::Tensor> post_norm) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "attention_block takes one position: x [1, hidden]");
+  TORCH_CHECK(x.dim() == 2, "attention_block takes one position per sequence: x [B, hidden]");
+  const int64_t B = x.size(0);
   TORCH_CHECK(qkv.size() == 3 && qkv_types.size() == 3 && (qkv_bias.empty() || qkv_bias.size() == 3),
               "give the q, k and v weights (and biases, or none)");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both q and k norms, or neither");
@@ -39,14 +41,14 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, s
   std::vector<torch::Tensor> p = gemv(h, qkv, qkv_types, x.size(1));
   for (size_t i = 0; i < qkv_bias.size(); ++i) p[i] = p[i] + qkv_bias[i].to(p[i].scalar_type());
   // The rotation (after the per-head norm, where the family has one).
-  const torch::Tensor q = rms_norm(p[0].reshape({1, heads, head_dim}), q_norm, q_norm ? eps : 0.0, std::nullopt, cos,
+  const torch::Tensor q = rms_norm(p[0].reshape({B, heads, head_dim}), q_norm, q_norm ? eps : 0.0, std::nullopt, cos,
                                    sin);
-  const torch::Tensor k = rms_norm(p[1].reshape({1, kv_heads, head_dim}), k_norm, k_norm ? eps : 0.0, std::nullopt,
+  const torch::Tensor k = rms_norm(p[1].reshape({B, kv_heads, head_dim}), k_norm, k_norm ? eps : 0.0, std::nullopt,
                                    cos, sin);
-  const torch::Tensor v = p[2].reshape({1, kv_heads, head_dim});
-  const torch::Tensor attended =
-      attention_decode(q.reshape({heads, head_dim}).to(torch::kFloat32), k_ring, v_ring, position, window, scale, k, v);
-  const torch::Tensor y = gemv(attended.reshape({1, heads * head_dim}).to(x.scalar_type()), {o}, {o_type},
+  const torch::Tensor v = p[2].reshape({B, kv_heads, head_dim});
+  const torch::Tensor attended = attention_decode(q.to(torch::kFloat32), k_cache, v_cache, positions, window, scale,
+                                                  tables, table_lengths, block_size, k, v.contiguous());
+  const torch::Tensor y = gemv(attended.reshape({B, heads * head_dim}).to(x.scalar_type()), {o}, {o_type},
                                heads * head_dim)[0];
   return add_residual(y, x, post_norm, eps);
 }
@@ -54,7 +56,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, s
 torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor gate, int64_t gate_type,
                         torch::Tensor up, int64_t up_type, torch::Tensor down, int64_t down_type, int64_t act,
                         std::optional<torch::Tensor> post_norm) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "mlp_block takes one position: x [1, hidden]");
+  TORCH_CHECK(x.dim() == 2, "mlp_block takes rows of hidden states: x [B, hidden]");
   const torch::Tensor h = rms_norm(x, norm, eps, std::nullopt, std::nullopt, std::nullopt);
   const std::vector<torch::Tensor> gu = gemv(h, {gate, up}, {gate_type, up_type}, x.size(1));
   const torch::Tensor a = gated_mul(gu[0], gu[1], act);

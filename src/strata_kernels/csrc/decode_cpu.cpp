@@ -15,15 +15,20 @@
 //       act(gate) * up, the gated MLP's middle (act 0: gelu_tanh, Gemma;
 //       1: silu, Llama and Qwen), in float32 and rounded once.
 //
-//   attention_decode(q [H, D] float32, k, v [capacity, Hkv, D] float32|bfloat16,
-//                    position, window?, scale, new_k?, new_v?) -> [H, D] float32
-//       One query at `position`: first (if given) its own key and value
-//       ([Hkv, D] or [1, Hkv, D]) are written into slot position % capacity;
-//       then softmax(q k^T * scale) v over positions max(0, position -
-//       window + 1)..position, in slots p % capacity (a ring), grouped-query
-//       (query head h reads KV head h / (H / Hkv)). The positions are split in chunks
-//       across threads, each with its own max and sum, merged by
-//       log-sum-exp: each K and V row is read once.
+//   attention_decode(q [B, H, D] float32, k, v [slots, Hkv, D] float32|bfloat16,
+//                    positions [B] int64, window?, scale, tables [B, NB] int32,
+//                    table_lengths [B] int32, block_size, new_k?, new_v?) -> [B, H, D] float32
+//       One query per sequence b at positions[b], its keys and values in
+//       blocks of block_size slots: position p lives in slot
+//       tables[b][(p / block_size) % table_lengths[b]] * block_size + p % block_size
+//       (a ring of table_lengths[b] blocks; a contiguous ring is one block of
+//       its capacity). First (if given) each query's own key and value
+//       ([B, Hkv, D]) are written into its slot; then softmax(q k^T * scale) v
+//       over positions max(0, position - window + 1)..position, grouped-query
+//       (query head h reads KV head h / (H / Hkv)). Every sequence's positions
+//       are split in chunks, all sequences' chunks shared among the threads,
+//       each with its own max and sum, merged by log-sum-exp: each K and V row
+//       is read once.
 
 #include "cpu_kernels.h"
 #include "lanes.h"
@@ -259,38 +264,65 @@ void attend_chunk_any(int G, const float* q, const KV* k, const KV* v, const int
 
 }  // namespace
 
-torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t position,
-                               std::optional<int64_t> window, double scale, std::optional<torch::Tensor> new_k,
+torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
+                               std::optional<int64_t> window, double scale, torch::Tensor tables,
+                               torch::Tensor table_lengths, int64_t block_size, std::optional<torch::Tensor> new_k,
                                std::optional<torch::Tensor> new_v) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(),
-              "q must be contiguous float32 [H, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(),
+              "q must be contiguous float32 [B, H, D]");
   TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
                   v.scalar_type() == k.scalar_type() && k.dim() == 3 && k.sizes() == v.sizes() &&
                   k.is_contiguous() && v.is_contiguous(),
-              "k and v must be contiguous float32 or bfloat16 [capacity, Hkv, D], of one dtype");
-  const int64_t H = q.size(0), D = q.size(1), capacity = k.size(0), Hkv = k.size(1);
-  TORCH_CHECK(k.size(2) == D && H % Hkv == 0, "q [", H, ", ", D, "] does not fit K/V of ", Hkv, " heads of dim ",
-              k.size(2));
+              "k and v must be contiguous float32 or bfloat16 [slots, Hkv, D], of one dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), n_slots = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(k.size(2) == D && H % Hkv == 0, "q [B, ", H, ", ", D, "] does not fit K/V of ", Hkv,
+              " heads of dim ", k.size(2));
   TORCH_CHECK(D % kLanes == 0, "head dim ", D, " is not a multiple of ", kLanes);
-  const int64_t first = window ? std::max<int64_t>(0, position - *window + 1) : 0;
-  TORCH_CHECK(position >= 0 && position - first < capacity, "position ", position, " sees ", position - first + 1,
-              " positions, more than the ", capacity, " slots hold");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == B && positions.is_contiguous(),
+              "positions must be contiguous int64 [B]");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.dim() == 2 && tables.size(0) == B &&
+                  tables.is_contiguous() && table_lengths.scalar_type() == torch::kInt32 &&
+                  table_lengths.numel() == B && table_lengths.is_contiguous(),
+              "tables must be contiguous int32 [B, NB] and table_lengths int32 [B]");
+  TORCH_CHECK(block_size > 0 && n_slots % block_size == 0, "block_size ", block_size, " does not divide the ",
+              n_slots, " slots");
   TORCH_CHECK(new_k.has_value() == new_v.has_value(), "give both new_k and new_v, or neither");
-  if (new_k) {  // the query's own key and value first, into its slot
+  if (new_k) {
     for (const torch::Tensor& t : {*new_k, *new_v})
-      TORCH_CHECK(t.numel() == Hkv * D, "new_k and new_v must hold ", Hkv, " x ", D, " values");
-    write_row(*new_k, k.select(0, position % capacity));
-    write_row(*new_v, v.select(0, position % capacity));
+      TORCH_CHECK(t.numel() == B * Hkv * D, "new_k and new_v must hold ", B, " x ", Hkv, " x ", D, " values");
   }
-  std::vector<int64_t> slots;
-  for (int64_t p = first; p <= position; ++p) slots.push_back(p % capacity);
-  const int64_t n = int64_t(slots.size()), G = H / Hkv;
-  const int64_t chunks = (n + kAttentionChunk - 1) / kAttentionChunk;
-  // Tasks: (chunk, KV heads, group of up to kMaxGroup query heads per KV
-  // head). A task takes every KV head of its chunk, reading whole position
-  // rows (contiguous memory for the prefetchers; SmolLM2's 2,000 positions
-  // read from memory: 154 -> 133 us a layer, within this VM's noise of the
-  // runs after), unless that leaves too few tasks for the threads.
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* ring = table_lengths.data_ptr<int32_t>();
+  const int64_t NB = tables.size(1), blocks_held = n_slots / block_size;
+  // Every sequence's slots in position order, one list after another.
+  std::vector<int64_t> slots, seq_first(B + 1, 0), chunk_first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t position = pos[b], blocks = ring[b];
+    TORCH_CHECK(blocks >= 1 && blocks <= NB, "sequence ", b, ": table length ", blocks, " is not in 1..", NB);
+    const int64_t first = window ? std::max<int64_t>(0, position - *window + 1) : 0;
+    TORCH_CHECK(position >= 0 && position - first < blocks * block_size, "sequence ", b, ": position ", position,
+                " sees ", position - first + 1, " positions, more than its ", blocks * block_size, " slots hold");
+    for (int64_t p = first; p <= position; ++p) {
+      const int64_t block = tab[b * NB + (p / block_size) % blocks];
+      TORCH_CHECK(block >= 0 && block < blocks_held, "sequence ", b, ": block ", block, " is not in 0..",
+                  blocks_held - 1);
+      slots.push_back(block * block_size + p % block_size);
+    }
+    seq_first[b + 1] = int64_t(slots.size());
+    const int64_t n = seq_first[b + 1] - seq_first[b];
+    chunk_first[b + 1] = chunk_first[b] + (n + kAttentionChunk - 1) / kAttentionChunk;
+    if (new_k) {  // the query's own key and value first, into its slot (the list's last)
+      write_row(new_k->reshape({B, Hkv * D})[b], k.select(0, slots.back()));
+      write_row(new_v->reshape({B, Hkv * D})[b], v.select(0, slots.back()));
+    }
+  }
+  const int64_t G = H / Hkv, chunks = chunk_first[B];
+  // Tasks: (chunk of some sequence, KV heads, group of up to kMaxGroup query
+  // heads per KV head). A task takes every KV head of its chunk, reading
+  // whole position rows (contiguous memory for the prefetchers; SmolLM2's
+  // 2,000 positions read from memory: 154 -> 133 us a layer, within this
+  // VM's noise of the runs after), unless that leaves too few tasks for the threads.
   const int64_t parts = (G + kMaxGroup - 1) / kMaxGroup;
   const int64_t heads_per_task = chunks >= 4 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks = chunks * (Hkv / heads_per_task) * parts;
@@ -305,7 +337,10 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t part = task % parts, first_head = (task / parts) % (Hkv / heads_per_task) * heads_per_task;
       const int64_t c = task / (parts * (Hkv / heads_per_task));
-      const int64_t j0 = c * kAttentionChunk, len = std::min(kAttentionChunk, n - j0);
+      const int64_t b = std::upper_bound(chunk_first.begin(), chunk_first.end(), c) - chunk_first.begin() - 1;
+      const int64_t n = seq_first[b + 1] - seq_first[b];
+      const int64_t j0 = (c - chunk_first[b]) * kAttentionChunk, len = std::min(kAttentionChunk, n - j0);
+      const int64_t* seq_slots = slots.data() + seq_first[b] + j0;
       const int group = int(std::min<int64_t>(kMaxGroup, G - part * kMaxGroup));
       for (int64_t hk = first_head; hk < first_head + heads_per_task; ++hk) {
         const int64_t h0 = hk * G + part * kMaxGroup;
@@ -314,29 +349,32 @@ torch::Tensor attention_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
         float* mx = chunk_max.data() + c * H + h0;
         float* sm = chunk_sum.data() + c * H + h0;
         float* acc = chunk_acc.data() + (c * H + h0) * D;
+        const float* qb = qp + b * H * D;
         if (k.scalar_type() == torch::kFloat32) {
-          attend_chunk_any(group, qp, k.data_ptr<float>(), v.data_ptr<float>(), slots.data() + j0, len, n - j0, Hkv,
-                           hk, h0, D, s, prefetch, p.data(), mx, sm, acc);
+          attend_chunk_any(group, qb, k.data_ptr<float>(), v.data_ptr<float>(), seq_slots, len, n - j0, Hkv, hk,
+                           h0, D, s, prefetch, p.data(), mx, sm, acc);
         } else {
-          attend_chunk_any(group, qp, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), slots.data() + j0,
-                           len, n - j0, Hkv, hk, h0, D, s, prefetch, p.data(), mx, sm, acc);
+          attend_chunk_any(group, qb, k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), seq_slots, len,
+                           n - j0, Hkv, hk, h0, D, s, prefetch, p.data(), mx, sm, acc);
         }
       }
     }
   });
-  // Merge the chunks by log-sum-exp.
-  torch::Tensor out = torch::zeros({H, D}, q.options());
-  float* o = out.data_ptr<float>();
-  for (int64_t h = 0; h < H; ++h) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, chunk_max[c * H + h]);
-    float total = 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float w = std::exp(chunk_max[c * H + h] - m);
-      total += w * chunk_sum[c * H + h];
-      for (int64_t d = 0; d < D; ++d) o[h * D + d] += w * chunk_acc[(c * H + h) * D + d];
+  // Merge each sequence's chunks by log-sum-exp.
+  torch::Tensor out = torch::zeros({B, H, D}, q.options());
+  for (int64_t b = 0; b < B; ++b) {
+    float* o = out.data_ptr<float>() + b * H * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = chunk_first[b]; c < chunk_first[b + 1]; ++c) m = std::max(m, chunk_max[c * H + h]);
+      float total = 0.0f;
+      for (int64_t c = chunk_first[b]; c < chunk_first[b + 1]; ++c) {
+        const float w = std::exp(chunk_max[c * H + h] - m);
+        total += w * chunk_sum[c * H + h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] += w * chunk_acc[(c * H + h) * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) o[h * D + d] /= total;
     }
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] /= total;
   }
   return out;
 }

@@ -7,8 +7,10 @@ process and across ranks, the KV cache, the conversation cache, the planner,
 - ``embed(tokens)``: hidden states ``[T, hidden]`` for token ids ``[T]``
   (on the token table's device, ``device``);
 - ``layers``: a ``ModuleList``; ``layers[i](x, positions, cache)`` runs
-  layer ``i`` over hidden states ``x`` at consecutive ``positions``,
-  reading and writing its state in ``cache``;
+  layer ``i`` over hidden states ``x`` at ``positions``, reading and
+  writing its state in ``cache``: one sequence's ``KVCache`` (consecutive
+  positions from its length on) or a ``batch.Batch`` of several (each
+  sequence's rows after the previous one's);
 - ``head(x)``: float32 logits ``[T, vocab]`` (the final norm, then the
   output projection, tied to the token table or not; on the last stage);
 - ``state_spec()``: per layer, the state it keeps (``state.LayerState``);
@@ -141,7 +143,8 @@ class DecoderModel(nn.Module):
 
 
 def finish(model, x: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
-    """After the last layer: the cache now holds the step's positions; the
-    logits of every position, or of the last."""
+    """After the last layer: the cache (or every sequence of a ``Batch``)
+    now holds the step's positions; the logits of every position, or of the
+    last (of each sequence)."""
     cache.advance(x.shape[0])
-    return model.head(x[-1:] if last_only else x)
+    return model.head(cache.last_rows(x) if last_only else x)

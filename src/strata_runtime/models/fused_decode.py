@@ -70,19 +70,20 @@ class FusedDecode:
         return cls(attn_norm, attention, ffn_norm, mlp, act, post_attn_norm, post_ffn_norm)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-        """The layer's output for one position, or None where the step is not
-        one the compiled blocks cover."""
-        if x.shape[0] != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        """The layer's output for one position of each sequence (a ``KVCache``:
+        one; a ``batch.Batch`` of decode steps: up to the GEMV's rows), or
+        None where the step is not one the compiled blocks cover."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[0] > cpu_kernels.built().max_m:
             return None
-        start = cache.length  # positions start at cache.length (the model interface)
-        ring = cache.decode_ring(self.layer, start)
-        if ring is None:
+        view = cache.decode_view(self.layer, positions)
+        if view is None:
             return None
-        k, v, window = ring
+        store, window, tables = view
         cos, sin = self.rope.tables(positions, self.inv_freq, torch.float32)
         kernels = cpu_kernels.built()
         o, o_type, post_attn_norm = self.o_proj
-        x = kernels.attention_block(x, *self.attention_args, cos, sin, k, v, start, window, self.scale, o, o_type,
+        x = kernels.attention_block(x, *self.attention_args, cos, sin, store.k, store.v, positions, window,
+                                    self.scale, tables.tables, tables.lengths, tables.block_size, o, o_type,
                                     post_attn_norm)
         return kernels.mlp_block(x, *self.mlp_args)
 

@@ -83,8 +83,7 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(t, a.n_heads, a.head_dim), rope=rope)
         k = self.k_norm(k.view(t, a.n_kv_heads, a.head_dim), rope=rope)
         v = v.view(t, a.n_kv_heads, a.head_dim)
-        # positions start at cache.length (the interface), read without a tensor access
-        out = cache.write_and_attend(self.layer, q, k, v, cache.length, a.attention_scale, self.attention_backend)
+        out = cache.write_and_attend(self.layer, q, k, v, a.attention_scale, self.attention_backend)
         return self.o_proj(out.to(x.dtype).reshape(t, a.n_heads * a.head_dim))
 
 

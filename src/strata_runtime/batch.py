@@ -1,0 +1,102 @@
+"""One forward step over several sequences: the state argument of the model
+interface when a step carries more than one sequence (a ``KVCache`` alone is
+a step of one sequence; both offer what the layers call)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from strata_kernels import KVStore
+from strata_kernels.attention import cpu_decode_reads, decode_attention
+from strata_kernels.paging import BlockTables
+
+from .kv_cache import KVCache
+
+
+class Batch:
+    """The sequences of one step and the rows each brings.
+
+    Invariant: the step's hidden states hold sequence ``i``'s ``counts[i]``
+    rows after those of sequences ``0..i-1``, at its next positions
+    ``caches[i].length ..`` (consecutive); the first ``decoding`` sequences
+    bring one row each (decode steps: one batched attention call), the rest
+    are prompt chunks. Every cache holds the blocks its rows write (checked
+    here, before any layer runs), and every cache is a different sequence
+    of one shared pool.
+    """
+
+    def __init__(self, caches: Sequence[KVCache], counts: Sequence[int]):
+        if len(caches) != len(counts) or not caches or min(counts) < 1:
+            raise ValueError("a batch needs at least one sequence, each with at least one row")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a sequence can be in a batch once")
+        self.caches = list(caches)
+        self.counts = list(counts)
+        self.decoding = 0
+        while self.decoding < len(counts) and counts[self.decoding] == 1:
+            self.decoding += 1
+        for cache, n in zip(self.caches, self.counts):
+            cache.check_write(cache.length, n)  # reserves the blocks, or says why not
+        self.positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(self.caches, self.counts)])
+        self.rows = sum(self.counts)
+        self._decode_positions = self.positions[:self.decoding]
+        self._decode_tables: dict[int, BlockTables] = {}
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    @property
+    def pool(self):
+        return self.caches[0].pool
+
+    def decode_tables(self, layer: int) -> BlockTables:
+        """The decode sequences' block tables for ``layer``'s group, made once a step."""
+        g = self.pool.layer_group[layer]
+        tables = self._decode_tables.get(g)
+        if tables is None:
+            store = self.caches[0].stores[layer]
+            tables = BlockTables.of([c.blocks[g] for c in self.caches[:self.decoding]],
+                                    self.pool.groups[g].block_size, store.k.device)
+            self._decode_tables[g] = tables
+        return tables
+
+    def write_and_attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                         backend: str = "auto") -> torch.Tensor:
+        """Every sequence's rows written at its next positions, then its
+        queries attending over its own positions: ``[rows, H, D]`` float32."""
+        d = self.decoding
+        store = self.caches[0].stores[layer]
+        window = self.caches[0].windows[layer]
+        outs = []
+        if d:
+            outs.append(decode_attention(q[:d], keys[:d], values[:d], store, self._decode_positions, window, scale,
+                                         self.decode_tables(layer), backend))
+        at = d
+        for cache, n in zip(self.caches[d:], self.counts[d:]):
+            outs.append(cache.write_and_attend(layer, q[at:at + n], keys[at:at + n], values[at:at + n], scale,
+                                               backend))
+            at += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def decode_view(self, layer: int, positions: torch.Tensor) -> tuple[KVStore, int | None, BlockTables] | None:
+        """Where every sequence decodes one position: ``layer``'s store,
+        window and the sequences' tables, if the CPU decode kernel reads
+        that storage in place; None otherwise."""
+        store = self.caches[0].stores[layer]
+        if self.decoding != len(self.caches) or not cpu_decode_reads(store):
+            return None
+        return store, self.caches[0].windows[layer], self.decode_tables(layer)
+
+    def advance(self, n: int) -> None:
+        """After the last layer: every sequence holds its rows' positions."""
+        if n != self.rows:
+            raise ValueError(f"the step ran {n} rows but the batch holds {self.rows}")
+        for cache, count in zip(self.caches, self.counts):
+            cache.advance(count)
+
+    def last_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last row: the ones a ``last_only`` step gives logits for."""
+        ends = torch.tensor(self.counts).cumsum(0) - 1
+        return x[ends.to(x.device)]

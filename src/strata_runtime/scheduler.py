@@ -1,0 +1,361 @@
+"""Sequences in flight, and the step that advances them together.
+
+Each ``step()`` runs one forward over a ``Batch``: the next token of every
+decoding sequence, then chunks of prompts being read, at most
+``chunk_tokens`` prompt rows in all (a long prompt cannot stall the others'
+decoding for more than one chunk). Sequences hold KV blocks of one pool
+(``kv_cache.KVPool``), reserved once at load:
+
+- admission: a waiting request starts (first come, first served) when the
+  blocks its prompt needs are free and fewer than ``max_running`` run;
+- growth: a decoding sequence that needs a block when none is free preempts
+  the most recently admitted running sequence, whose blocks are released
+  and which resumes later by reading its tokens again (``recomputed``), after
+  its state is parked on the host where a conversation cache can take it;
+- residency: a finished sequence keeps its blocks, least recently used
+  first to go, parked to the host before they are reused; a new request
+  whose prompt extends one (of its scope) takes that sequence's state over.
+
+Nothing here raises into a request for want of memory: the outcomes are
+counted (``counters``) and logged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .batch import Batch
+from .conversation_cache import ConversationCache, Restored, common_prefix
+from .errors import StrataError
+from .kv_cache import PREFILL_CHUNK, KVCache, KVPool
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+WAITING, PREFILLING, DECODING, FINISHED = "waiting", "prefilling", "decoding", "finished"
+
+
+class QueueFull(StrataError):
+    """The waiting queue is at its bound; retry later."""
+
+
+@dataclass(eq=False)
+class Generation:
+    """One generation in flight.
+
+    Invariant: ``tokens`` is the prompt then the generated tokens; the cache
+    (while the sequence holds one) holds ``tokens[:cache.length]``. While
+    prefilling ``cache.length < len(prompt)``; while decoding, every token
+    but the last generated one is in the cache (the last is the next step's
+    input). ``events`` are the tokens generated since the consumer last took
+    them (``take()``); an end-of-generation token ends the sequence and is
+    not among them.
+    """
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    max_tokens: int
+    scope: str = ""
+    checkpoints: tuple[int, ...] = ()  # prompt positions to save running state at (turn boundaries)
+    root: int | None = None  # the checkpoint that is the conversation's pinned root
+    state: str = WAITING
+    tokens: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cache: KVCache | None = None
+    cached_tokens: int = 0  # prompt tokens whose state was reused at admission
+    admitted: int = -1  # admission order (preemption takes the most recent first)
+    preemptions: int = 0
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state == FINISHED
+
+    def take(self) -> list[int]:
+        out, self.events = self.events, []
+        return out
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the sequence (its blocks go back at the next step); a consumer's stop string says "stop"."""
+        if self.state != FINISHED:
+            self.finish_reason = reason
+            self.state = FINISHED
+
+
+@dataclass
+class Resident:
+    """A finished sequence whose state stays on the device until its blocks are needed."""
+
+    cache: KVCache
+    tokens: tuple[int, ...]  # what the cache holds
+    scope: str
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    """The sequences of one model and one pool.
+
+    Invariant: every block of ``pool`` is free, or held by exactly one
+    running sequence's cache or one resident's; ``running`` lists the
+    admitted, unfinished sequences in admission order; ``waiting`` is FIFO.
+    """
+
+    def __init__(self, model, pool: KVPool, context_length: int, end_of_generation: frozenset[int],
+                 max_running: int = 4, max_waiting: int = 64, chunk_tokens: int = PREFILL_CHUNK,
+                 conversations: ConversationCache | None = None, max_residents: int = 8):
+        if max_running < 1 or chunk_tokens < 1:
+            raise ValueError("max_running and chunk_tokens must be at least 1")
+        self.model = model
+        self.pool = pool
+        self.context_length = context_length
+        self.end_of_generation = end_of_generation
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.chunk_tokens = min(chunk_tokens, PREFILL_CHUNK)  # the rings hold a window plus one chunk
+        self.conversations = conversations
+        self.max_residents = max_residents
+        self.waiting: deque[Generation] = deque()
+        self.running: list[Generation] = []
+        self.residents: list[Resident] = []
+        self.counters: Counter[str] = Counter()
+        self.peak_running = 0  # the most sequences one step has carried
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+
+    # --- requests -----------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, scope: str = "",
+               checkpoints: Sequence[int] = (), root: int | None = None, bounded: bool = True) -> Generation:
+        """Queue a request; ``QueueFull`` past ``max_waiting`` waiting ones
+        (``bounded``: a server's clients; a notebook's own list is not)."""
+        if bounded and len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting (the bound); retry shortly")
+        prompt = list(prompt)
+        short = [g for g in self.pool.groups if g.blocks_for(len(prompt) + 1) > g.n_blocks]
+        if short:
+            g = short[0]
+            raise StrataError(f"the prompt's {len(prompt)} tokens need {g.blocks_for(len(prompt) + 1)} KV blocks "
+                              f"but the pool holds {g.n_blocks}; shorten it or give the engine more KV memory")
+        seq = Generation(next(self._ids), prompt, params, Sampler(params),
+                        max_tokens=min(params.max_tokens, self.context_length - len(prompt)), scope=scope,
+                        checkpoints=tuple(checkpoints), root=root, tokens=list(prompt))
+        self.counters["requests"] += 1
+        if seq.max_tokens <= 0:  # nothing to generate: no state to compute
+            seq.cancel("length")
+            return seq
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        while not done() and self.busy:
+            self.step()
+
+    # --- one step -------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit what fits, then one forward over every running sequence's next rows."""
+        self._retire()
+        self._admit()
+        batch_seqs, counts = self._plan()
+        if not batch_seqs:
+            return
+        rows: list[int] = []
+        for seq, n in zip(batch_seqs, counts):
+            at = seq.cache.length
+            rows.extend(seq.tokens[at:at + n])
+        batch = Batch([s.cache for s in batch_seqs], counts)
+        self.peak_running = max(self.peak_running, len(batch))
+        ids = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+        with torch.inference_mode():
+            logits = self.model(ids, batch.positions.to(self.model.device), batch, last_only=True)
+        for i, seq in enumerate(batch_seqs):
+            self._after_rows(seq, logits[i])
+        self._retire()
+
+    def _plan(self) -> tuple[list[Generation], list[int]]:
+        """Decode rows first (each decoding sequence's last token), then
+        prompt chunks up to ``chunk_tokens``; blocks reserved for all of them."""
+        decoding = [s for s in self.running if s.state == DECODING]
+        for seq in decoding:
+            while seq.state == DECODING and not seq.cache.reserve(1):
+                if not self.residents and self.running == [seq]:  # alone, and the pool holds no more
+                    log.warning("scheduler: sequence %d ends at %d tokens: the KV pool holds no more (give the "
+                                "engine more KV memory)", seq.id, len(seq.tokens))
+                    seq.cancel("length")
+                    break
+                self._preempt_newest()
+        decoding = [s for s in self.running if s.state == DECODING]
+        seqs, counts = list(decoding), [1] * len(decoding)
+        budget = self.chunk_tokens
+        for seq in [s for s in self.running if s.state == PREFILLING]:
+            if budget == 0:
+                break
+            start = seq.cache.length
+            end = min(len(seq.tokens), start + budget)  # a resumed sequence reads its generated tokens too
+            stops = [p for p in seq.checkpoints if start < p < end]
+            end = min(stops, default=end)
+            if not seq.cache.reserve(end - start):  # admission reserved the prompt's blocks; a preemption may not
+                continue
+            seqs.append(seq)
+            counts.append(end - start)
+            budget -= end - start
+        return seqs, counts
+
+    def _after_rows(self, seq: Generation, logits: torch.Tensor) -> None:
+        if seq.state == PREFILLING:
+            self._checkpoint(seq)
+            if seq.cache.length < len(seq.tokens):
+                return  # more prompt to read
+            seq.state = DECODING
+        if seq.max_tokens <= len(seq.generated):
+            seq.cancel("length")
+            return
+        token = seq.sampler(logits, seq.tokens)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        if token in self.end_of_generation:
+            seq.cancel("stop")
+            return
+        seq.tokens.append(token)
+        seq.generated.append(token)
+        seq.events.append(token)
+        if len(seq.generated) >= seq.max_tokens:
+            seq.cancel("length")
+
+    def _checkpoint(self, seq: Generation) -> None:
+        """Running state saved where a prompt chunk stopped at a checkpoint position."""
+        cc, p = self.conversations, seq.cache.length
+        if cc is not None and p in seq.checkpoints and any(w is not None for w in seq.cache.windows):
+            cc.save_checkpoint(seq.cache, seq.tokens[:p], root=p == seq.root, scope=seq.scope)
+
+    # --- admission, preemption, residency ------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if seq.state == FINISHED:  # cancelled while waiting
+                self.waiting.popleft()
+                continue
+            cache = self._state_for(seq)
+            if cache is None:
+                return  # its prompt's blocks are not free: it waits, first in line
+            self.waiting.popleft()
+            seq.cache = cache
+            seq.state = PREFILLING if cache.length < len(seq.tokens) else DECODING
+            seq.admitted = next(self._admissions)
+            self.running.append(seq)
+
+    def _state_for(self, seq: Generation) -> KVCache | None:
+        """A cache for ``seq``: the resident one that shares the longest prefix
+        of its tokens (taken over and cut back), else a fresh one (restored
+        from a parked snapshot where one fits), holding the blocks its
+        tokens need; None while the pool cannot give them."""
+        limit = len(seq.tokens) - 1  # at least one token to read: its logits give the next
+        best, shared = None, 0
+        for r in self.residents:
+            if r.scope == seq.scope:
+                n = min(common_prefix(r.tokens, seq.tokens), limit)
+                if n > shared:
+                    best, shared = r, n
+        if best is not None:
+            self.residents.remove(best)
+            cache = best.cache
+            kept = cache.trim(shared)
+            self.counters["prefix_hits"] += 1 if kept else 0
+        else:
+            cache = KVCache.on_pool(self.pool, self.context_length)
+            kept = 0
+        while not self._reserve_leaving_room(cache, len(seq.tokens) - cache.length):
+            if not self._evict_resident():
+                if best is not None:  # keep its state resident for a later try
+                    self.residents.append(Resident(cache, tuple(seq.tokens[:cache.length]), seq.scope))
+                else:
+                    cache.release()
+                return None
+        if kept == 0 and self.conversations is not None:
+            outcome = self.conversations.restore(cache, [], seq.tokens, scope=seq.scope)
+            kept = outcome.position if isinstance(outcome, Restored) else 0
+        seq.cached_tokens = seq.cached_tokens or kept
+        self.counters["prefix_queries"] += 1
+        self.counters["prefix_query_tokens"] += len(seq.tokens)
+        self.counters["prefix_hit_tokens"] += kept
+        return cache
+
+    def _reserve_leaving_room(self, cache: KVCache, n: int) -> bool:
+        """``cache.reserve(n)`` where that leaves a block free in every group
+        for each running sequence (their next growth): admitting what would
+        at once be preempted again only trades one sequence's work for another's."""
+        need = cache.blocks_needed(n)
+        if any(k + len(self.running) > free for k, free in zip(need, self.pool.free_blocks())):
+            return False
+        return cache.reserve(n)
+
+    def _evict_resident(self) -> bool:
+        """Free the least recently used resident's blocks, parked to the host first where it can be."""
+        if not self.residents:
+            return False
+        victim = min(self.residents, key=lambda r: r.last_used)
+        self.residents.remove(victim)
+        if self.conversations is not None:
+            self.conversations.park(victim.cache, victim.tokens, scope=victim.scope)
+        victim.cache.release()
+        self.counters["resident_evictions"] += 1
+        return True
+
+    def _preempt_newest(self) -> None:
+        """Free blocks: a resident's, else the most recently admitted running
+        sequence's: its state is parked where the conversation cache can take
+        it, its blocks released, and it waits, first in line, to resume."""
+        if self._evict_resident() or not self.running:
+            return
+        victim = max(self.running, key=lambda s: s.admitted)
+        self.running.remove(victim)
+        outcome = "recomputed"
+        if self.conversations is not None and victim.cache.length:
+            parked = self.conversations.park(victim.cache, victim.tokens[:victim.cache.length], scope=victim.scope)
+            outcome = "parked" if type(parked).__name__ == "Parked" else "recomputed"
+        victim.cache.release()
+        victim.cache = None
+        victim.state = WAITING
+        victim.preemptions += 1
+        self.waiting.appendleft(victim)
+        self.counters[f"preemptions_{outcome}"] += 1
+        log.info("scheduler: preempted sequence %d at %d tokens (%s): no free KV block", victim.id,
+                 len(victim.tokens), outcome)
+
+    def _retire(self) -> None:
+        """Finished sequences leave ``running``; their state stays resident."""
+        for seq in [s for s in self.running if s.state == FINISHED]:
+            self.running.remove(seq)
+            cache, seq.cache = seq.cache, None
+            if cache is None:
+                continue
+            # The cache holds every token but the last generated one.
+            self.residents.append(Resident(cache, tuple(seq.tokens[:cache.length]), seq.scope))
+            self.counters[f"finished_{seq.finish_reason}"] += 1
+        while len(self.residents) > self.max_residents:
+            self._evict_resident()
+
+    # --- figures ----------------------------------------------------------------------------
+
+    def kv_usage(self) -> float:
+        """Fraction of the pool's blocks held by running sequences (residents can be reclaimed)."""
+        total = sum(g.n_blocks for g in self.pool.groups)
+        held = sum(s.cache.held_blocks for s in self.running if s.cache is not None)
+        return held / total if total else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,3 +97,14 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
         self.http.close()
+
+
+@contextlib.contextmanager
+def healthy_server(*args: str, api_key: str | None = None):
+    """A ``LiveServer`` answering /health 200 for the block's duration, stopped after."""
+    s = LiveServer(*args, api_key=api_key)
+    try:
+        s.wait_for_health(200)
+        yield s
+    finally:
+        s.stop()

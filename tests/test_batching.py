@@ -186,3 +186,33 @@ def test_kv_is_allocated_once_and_a_small_pool_preempts(smollm2_file, monkeypatc
         if g.tokens != w.tokens:  # a recomputed sequence read its tokens as a prompt: only a near-tie may part
             _, logits = _alone(roomy, roomy.tokenize(prompt), len(w.tokens))
             _check_greedy(w.tokens, logits, g.tokens)
+
+
+def test_two_alternating_conversations_stay_on_the_device(smollm2_file):
+    """The seed's case: two clients alternate two conversations with room
+    for both (``parallel=2``): nothing is parked or restored, and each
+    returning turn reuses as many tokens as it would had the other
+    conversation never run (its first token comes as soon as a live
+    continuation's)."""
+    both = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, parallel=2,
+                               conversation_cache_mib=64, min_free_mib=0)
+    alone = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, parallel=2,
+                                conversation_cache_mib=64, min_free_mib=0)
+    talks = {"a": [{"role": "user", "content": "Tell me about the river Danube."}],
+             "b": [{"role": "user", "content": "Explain what a prime number is."}]}
+    follow_ups = {"a": ["Which countries does it cross?", "How long is it?"],
+                  "b": ["Is 91 prime?", "And 97?"]}
+    cached = {"a": [], "b": []}
+    for turn in range(3):
+        for name in ("a", "b"):
+            reply = both.chat(talks[name], max_tokens=12, temperature=0)
+            cached[name].append(reply.cached_tokens)
+            if name == "a":
+                assert alone.chat(talks[name], max_tokens=12, temperature=0).cached_tokens == reply.cached_tokens
+            if turn < 2:
+                talks[name] = talks[name] + [{"role": "assistant", "content": reply.text},
+                                             {"role": "user", "content": follow_ups[name][turn]}]
+    stats = both.stats()
+    assert stats.get("parked", 0) == 0 and stats.get("restored", 0) == 0 and stats["parked_now"] == 0, stats
+    assert all(n > 40 for n in cached["a"][1:] + cached["b"][1:]), cached  # whole earlier turns reused
+    assert both.scheduler.counters["prefix_copies"] == 1  # b's first turn shares a's system prompt

@@ -45,15 +45,19 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 def test_end_of_generation_token_ends_the_loop(engine):
-    from strata_runtime.generation import generate_tokens
-    from strata_runtime.sampling import Sampler, SamplingParams
+    """A sequence ends at an end-of-generation token, which is not among its tokens."""
+    from strata_runtime.sampling import SamplingParams
+    from strata_runtime.scheduler import Scheduler
 
     prompt = engine.tokenize(PROMPT)
     first = engine.generate(prompt, max_tokens=1, temperature=0).tokens[0]
-    cache = engine.new_cache(64)
-    with torch.inference_mode():
-        out = list(generate_tokens(engine.model, cache, prompt, Sampler(SamplingParams(temperature=0)), 10, frozenset({first})))
-    assert out == [first]
+    pool = engine.scheduler.pool
+    free = pool.free_blocks()
+    scheduler = Scheduler(engine.model, pool, engine.context_length, frozenset({first}), max_residents=0)
+    seq = scheduler.submit(prompt, SamplingParams(temperature=0, max_tokens=10))
+    scheduler.run_until(lambda: seq.done)
+    assert seq.generated == [] and seq.finish_reason == "stop"
+    assert pool.free_blocks() == free  # no resident kept: every block it took is back
 
 
 def test_prefix_reuse_equals_a_cold_run(engine, model_file):

@@ -2,6 +2,10 @@
 conversations give the same greedy tokens as cold runs; faults never reach
 the request.
 
+The warm engines here run with ``parallel=1``: one conversation stays on the
+device at a time, so every switch parks one and restores the other (with
+room for both, nothing is parked: ``test_batching.py``).
+
 On the exact path (``dtype="float32"``): there a position's arithmetic does
 not depend on how the prompt was cut into chunks, so a restored conversation
 must equal a cold run token for token. On the default path a decode step
@@ -41,7 +45,7 @@ def _cold(model_file, kv, prompts):
 
 @pytest.mark.parametrize("kv", ["f16", "int8", "k8v4"])
 def test_alternating_conversations_equal_cold_runs(model_file, kv):
-    engine = strata_runtime.load(model_file, dtype="float32", kv=kv, progress=False, context_length=1024,
+    engine = strata_runtime.load(model_file, parallel=1, dtype="float32", kv=kv, progress=False, context_length=1024,
                                  conversation_cache_mib=64, min_free_mib=0, checkpoint_every=64)
     answers = [["It is a long river in Europe."] * 3, ["A number with exactly two divisors."] * 3]
     turns = [list(_conversation_turns(engine, t, a)) for t, a in zip(TOPICS, answers)]
@@ -63,7 +67,7 @@ _cold_outputs: dict[tuple, list] = {}
 @pytest.mark.parametrize("rate", [1.0, 0.5], ids=["every-call", "random-subset"])
 @pytest.mark.parametrize("point", POINTS)
 def test_every_fault_point_is_survived(model_file, point, rate):
-    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512,
+    engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=512,
                                  conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)
     prompts = [engine.tokenize(t) for t in (
         "The history of the printing press begins in the fifteenth century, when",
@@ -101,7 +105,7 @@ def _alternate(engine, n=3):
 
 
 def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
-    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=64,
+    engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=64,
                                  conversation_cache_mib=10_000_000, strict_conversation_cache=True)
     assert engine.conversations.pool.total_bytes == 0
     assert "refused (strict)" in engine.pool_decision.message
@@ -117,7 +121,7 @@ def test_load_admits_the_pool_against_a_cgroup_tighter_than_mem_available(model_
     caplog.set_level("INFO", logger="strata_runtime.staging")
     proc = _proc(tmp_path, available_kb=8 * 1024 * 1024, cgroup="0::/svc\n")
     cg = _v2(tmp_path, "/svc", str(4096 * MiB), current=(4096 - 300) * MiB, inactive=0)
-    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, cg),
+    engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, cg),
                                  conversation_cache_mib=1024, min_free_mib=100)
     assert engine.conversations.pool.total_bytes == 200 * MiB
     assert "shrunk to fit: 200 MiB of 1024 MiB requested (headroom 300 MiB; floor 100 MiB)" in caplog.text
@@ -128,7 +132,7 @@ def test_load_admits_the_pool_against_a_cgroup_tighter_than_mem_available(model_
 def test_load_with_unknown_telemetry_refuses_parking_with_the_reason(model_file, tmp_path, caplog):
     caplog.set_level("INFO", logger="strata_runtime")
     proc = _proc(tmp_path, available_kb="lots")
-    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, tmp_path),
+    engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, tmp_path),
                                  conversation_cache_mib=64, min_free_mib=0)
     assert engine.conversations.pool.total_bytes == 0
     cold = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=128, conversation_cache_mib=0)
@@ -146,7 +150,7 @@ def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model
     nothing raises, outputs equal runs without any conversation cache, and
     the counters agree with the log."""
     caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
-    engine = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=32,
+    engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=32,
                                  conversation_cache_slots=8, min_free_mib=0, checkpoint_every=256)
     references = [strata_runtime.load(model_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=0)
                   for _ in range(2)]

@@ -18,7 +18,10 @@ CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def server(model_file):
-    s = LiveServer("--model", str(model_file), "--context-length", str(CONTEXT), "--max-queue", "2",
+    # --parallel 1: these tests are about one request at a time (the queue's
+    # bound, parking the conversation that leaves); test_server_batching.py
+    # serves several together.
+    s = LiveServer("--model", str(model_file), "--context-length", str(CONTEXT), "--max-queue", "2", "--parallel", "1",
                    "--max-body-mib", "1", "--conversation-cache-mib", "64", "--min-free-mib", "0",
                    api_key=KEY)
     try:

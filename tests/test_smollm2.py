@@ -23,7 +23,8 @@ def test_chat_answers_and_stops_at_its_end_of_turn(smollm2):
 
 
 def test_alternating_conversations_equal_cold_runs(smollm2_file):
-    warm = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=64,
+    warm = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, parallel=1,
+                               conversation_cache_mib=64,
                                min_free_mib=0)
     cold = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=0)
     a = [{"role": "user", "content": "Tell me about the river Danube."}]

@@ -9,10 +9,11 @@ Importing this package does no work; ``load`` does.
 
 from .chat_template import ChatTemplateError
 from .engine import Completion, Engine, EngineConfig, load
-from .errors import Cancelled, ContextLengthError, ModelFileError, StrataError
+from .errors import Cancelled, ContextLengthError, ModelFileError, QueueFull, StrataError
 from .sampling import SamplingParams
 
 __all__ = [
+    "QueueFull",
     "Cancelled",
     "ChatTemplateError",
     "Completion",

@@ -335,6 +335,12 @@ class ConversationCache:
         cp = self._best_checkpoint(prompt, shared, scope)
         return (cp.position, cp) if cp else (0, None)
 
+    def longest_prefix(self, prompt: Sequence[int], scope: str = "") -> int:
+        """The most tokens a parked snapshot or a checkpoint of ``scope``
+        shares with the start of ``prompt`` (an upper bound on what a restore gives)."""
+        return max((common_prefix(item.tokens, prompt) for item in (*self.snapshots, *self.checkpoints)
+                    if item.scope == scope), default=0)
+
     def restore(self, cache: KVCache, live_tokens: Sequence[int], prompt: Sequence[int], scope: str = "",
                 live_scope: str = "") -> Outcome:
         """Make ``cache`` (holding ``live_tokens`` of ``live_scope``) hold the

@@ -12,10 +12,10 @@ import torch
 
 from .chat_prompt import TurnMarker, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
-from .conversation_cache import ConversationCache, Restored, common_prefix
+from .conversation_cache import ConversationCache
 from .default_model import default_model_path
-from .errors import ContextLengthError, StrataError
-from .generation import forward_chunks, generate_tokens
+from .errors import Cancelled, ContextLengthError, StrataError
+from .generation import forward_chunks
 from .gguf_file import GGUFFile
 from .kv_cache import KV_FORMATS, KVCache, KVPool
 from .compute_path import DTYPE_NAMES
@@ -23,7 +23,7 @@ from .loader import build_model, open_model
 from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split
 from .placement import Placement
 from .memory import MiB, HostMemory
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 from .scheduler import Generation, Scheduler
 from .staging import StagingPool
 from .text_stream import StopTextStream
@@ -169,14 +169,17 @@ def _load_rank0(path, config: EngineConfig, memory: HostMemory | None) -> "Engin
 
 
 class Engine:
-    """One model and its live sequence.
+    """One model, its KV pool and the scheduler that runs sequences on it.
 
-    Invariant: ``_cache`` holds the keys and values of exactly
-    ``_cache_tokens``, computed for a request of ``_cache_scope``; a new
-    prompt of the same scope that starts with some of them reuses that
-    prefix and prefills only the rest. Requests of different scopes never
-    share cached state (one scope per API key or ``cache_salt`` in a server),
-    so how long a prompt takes to start says nothing about another scope's.
+    Invariant: every generation (``generate``, ``stream``, ``chat``,
+    ``generate_many``) is a sequence of ``scheduler``, which holds the KV
+    state of the running sequences and of up to ``parallel`` finished ones
+    (resident, least recently used first to be parked to the conversation
+    cache); a new prompt of the same scope that starts with what one of them
+    holds reuses that prefix and prefills only the rest. Requests of
+    different scopes never share cached state (one scope per API key or
+    ``cache_salt`` in a server), so how long a prompt takes to start says
+    nothing about another scope's.
     """
 
     def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig,
@@ -195,12 +198,8 @@ class Engine:
             _token_text(tokenizer, tokenizer.eos_id),
         )
         self._turns = TurnMarker.of(self.chat_template, tokenizer)
-        self._cache: KVCache = self.new_cache(self.context_length)
-        # A split across processes steps one sequence at a time (its ranks keep one cache each).
-        self.scheduler = None if config.distributed else self._reserve_scheduler(config)
-        self._cache_tokens: list[int] = []
-        self._cache_scope = ""
         self.conversations = self._reserve_conversation_cache(config, memory)
+        self.scheduler = self._reserve_scheduler(config)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
 
@@ -237,22 +236,28 @@ class Engine:
         return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
                                  pool_refusal=decision.message.removeprefix("staging pool: "))
 
-    def _reserve_scheduler(self, config: EngineConfig) -> "Scheduler":
+    def _reserve_scheduler(self, config: EngineConfig) -> Scheduler:
         """The KV pool for sequences decoded together, reserved here, once:
-        ``kv_memory_mib``, or ``parallel`` sequences of the context length."""
-        parallel = config.parallel or (4 if self.model.device.type == "cuda" else 2)
+        ``kv_memory_mib``, or ``parallel`` sequences of the context length.
+        A split across processes runs one sequence at a time: each rank keeps
+        its part of one cache (``ranks``), so its pool holds one sequence."""
+        parallel = 1 if config.distributed else config.parallel or (4 if self.model.device.type == "cuda" else 2)
         spec = self.model.state_spec()
         per_sequence = KVPool.for_sequences(config.kv, spec, self.model.placement, 1, self.context_length,
                                             self.model.compute_path.kv_float, allocate=False).nbytes
         sequences = parallel if config.kv_memory_mib is None else config.kv_memory_mib * MiB / per_sequence
+        if config.distributed:
+            cache = self.new_cache(self.context_length)  # the ranks' twin of this cache is the one they step
+            return Scheduler(self.model, cache.pool, self.context_length, self.tokenizer.end_of_generation,
+                             max_running=1, conversations=self.conversations, max_residents=1, private=cache)
         pool = KVPool.for_sequences(config.kv, spec, self.model.placement, sequences, self.context_length,
                                     self.model.compute_path.kv_float)
         return Scheduler(self.model, pool, self.context_length, self.tokenizer.end_of_generation,
-                         max_running=parallel)
+                         max_running=parallel, conversations=self.conversations, max_residents=parallel)
 
     def stats(self) -> dict[str, Any]:
         """Counters of the conversation cache (empty without one) and the
-        staging pool's admission decision."""
+        staging pool's admission decision; the scheduler's are ``scheduler.stats()``."""
         if self.conversations is None:
             return {}
         return {**self.conversations.stats(), "pool_decision": self.pool_decision.message}
@@ -288,9 +293,6 @@ class Engine:
         them together (up to ``parallel`` at a time, the rest waiting their
         turn), with the sampling options of ``SamplingParams`` (a seed gives
         each prompt the tokens it would get alone). Completions in the prompts' order."""
-        if self.scheduler is None:
-            raise StrataError("generate_many needs the engine in one process; a split across processes runs one "
-                              "sequence at a time (use generate)")
         runs = [self._start(prompt, dict(sampling), cache_scope=cache_scope) for prompt in prompts]
         return [run.completion for run in run_together(self.scheduler, runs)]
 
@@ -303,16 +305,34 @@ class Engine:
     def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False,
              abort: Callable[[], bool] | None = None, cache_scope: str = "", **sampling: Any):
         """Generate the assistant's reply to ``messages`` through the model's chat template."""
-        prompt = self.chat_prompt(messages, abort=abort)
-        # Turn boundaries are where a returning conversation diverges: checkpoint there.
-        boundaries = [] if self.conversations is None or self._turns is None else self._turns.boundaries(prompt)
-        root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None
-        run = self._start(prompt, sampling, boundaries, root=root, abort=abort, cache_scope=cache_scope)
+        run = self._chat_run(messages, sampling, abort, cache_scope)
         if stream:
             return iter(run)
         for _ in run:
             pass
         return run.completion
+
+    def _chat_run(self, messages: Sequence[dict[str, Any]], sampling: dict[str, Any],
+                  abort: Callable[[], bool] | None, cache_scope: str) -> "Run":
+        prompt = self.chat_prompt(messages, abort=abort)
+        # Turn boundaries are where a returning conversation diverges: checkpoint there.
+        boundaries = [] if self.conversations is None or self._turns is None else self._turns.boundaries(prompt)
+        root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None
+        return self._start(prompt, sampling, boundaries, root=root, abort=abort, cache_scope=cache_scope)
+
+    def submit(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
+               abort: Callable[[], bool] | None = None, cache_scope: str = "", **sampling: Any) -> "Run":
+        """Queue one generation (a ``prompt``, or chat ``messages``) and return
+        its ``Run`` without stepping: whoever drives ``scheduler.step()`` (a
+        server's loop) takes its text with ``run.pump()`` until
+        ``run.completion`` is set. ``QueueFull`` where the waiting queue is at
+        its bound. Arguments are checked here, as ``generate``/``chat`` check them."""
+        if (prompt is None) == (messages is None):
+            raise TypeError("give a prompt or messages, not both")
+        run = (self._chat_run(messages, dict(sampling), abort, cache_scope) if messages is not None
+               else self._start(prompt, dict(sampling), abort=abort, cache_scope=cache_scope))
+        run.submit(bounded=True)
+        return run
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
                     abort: Callable[[], bool] | None = None) -> list[int]:
@@ -349,9 +369,11 @@ class Engine:
             "stages": self._stages(),
             "backend": [b.describe() for b in self.model.backends if b.kernels != "meta"],
             "kv": self.config.kv,
-            "kv_storage": str(self._cache.stores[0].k.dtype).removeprefix("torch."),
-            "kv_bytes_per_token": self._cache.bytes_per_token(),
-            "kv_bytes": self._cache.nbytes,
+            "kv_storage": str(self.scheduler.pool.stores[0].k.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.scheduler.pool.bytes_per_token(),
+            "kv_bytes": self.scheduler.pool.nbytes,
+            "parallel": self.scheduler.max_running,
+            "kv_blocks": self.scheduler.pool.total_blocks(),
             "threads": torch.get_num_threads(),
             "cpu_kernels": self._cpu_kernels_state(),
             "chat_template": None if self.chat_template is None else self.chat_template.origin,
@@ -399,7 +421,7 @@ class Engine:
 
     def _start(self, prompt: str | Sequence[int], sampling: dict[str, Any],
                boundaries: Sequence[int] = (), root: int | None = None, *,
-               abort: Callable[[], bool] | None = None, cache_scope: str = "") -> "_Run":
+               abort: Callable[[], bool] | None = None, cache_scope: str = "") -> "Run":
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
@@ -416,42 +438,14 @@ class Engine:
         ids = self._check_tokens(ids)
         if len(ids) >= self.context_length:
             raise ContextLengthError(len(ids), self.context_length)
-        return _Run(self, ids, params, boundaries, root, abort, cache_scope)
-
-    def _reuse_prefix(self, prompt: list[int], scope: str) -> int:
-        """Make the live cache hold the longest prefix of ``prompt`` it can,
-        keeping at least one prompt token to prefill; return its length.
-
-        A prompt that extends the live sequence just continues it. Otherwise
-        the live sequence is parked and the best of itself, the parked
-        snapshots and the checkpoints is restored (with a conversation cache),
-        or the live cache is cut back where its rings allow. Only state of
-        the same ``scope`` is reused."""
-        live = self._cache_tokens[: self._cache.length]
-        live_scope = self._cache_scope
-        shared = common_prefix(live, prompt) if live_scope == scope else 0
-        if live_scope == scope and shared == len(live) and shared < len(prompt):
-            return shared
-        cc = self.conversations
-        if cc is None:
-            return self._cache.trim(min(shared, len(prompt) - 1))
-        cc.park(self._cache, live, scope=live_scope)
-        outcome = cc.restore(self._cache, live, prompt, scope=scope, live_scope=live_scope)
-        return outcome.position if isinstance(outcome, Restored) else 0
-
-    def _prefill_with_checkpoints(self, prompt: list[int], boundaries: Sequence[int], root: int | None,
-                                  scope: str, abort: Callable[[], bool] | None) -> None:
-        """Prefill up to each checkpoint position and save the running state there."""
-        cc = self.conversations
-        if cc is None or all(w is None for w in self._cache.windows):
-            return  # no running state: any prefix of a parked sequence can be restored
-        for p in cc.checkpoint_positions(self._cache.length, len(prompt) - 1, boundaries):
-            forward_chunks(self.model, self._cache, prompt[self._cache.length:p], last_only=True, abort=abort)
-            cc.save_checkpoint(self._cache, prompt[:p], root=p == root, scope=scope)
+        return Run(self, ids, params, boundaries, root, abort, cache_scope)
 
 
-class _Run:
-    """One generation: iterate for text pieces; ``completion`` when done."""
+class Run:
+    """One generation as a sequence (``seq``) of the engine's scheduler:
+    iterate for text pieces (each iteration steps the scheduler, every
+    sequence in it advancing together), or, where something else steps it,
+    ``pump()`` for the text so far; ``completion`` once it has ended."""
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams,
                  boundaries: Sequence[int] = (), root: int | None = None,
@@ -464,89 +458,76 @@ class _Run:
         self.abort = abort
         self.scope = scope
         self.completion: Completion | None = None
+        self.seq: Generation | None = None
+        self.text = StopTextStream(engine.tokenizer.stream_decoder(), params.stop)
+        self.started = 0.0
+
+    def submit(self, bounded: bool = False) -> Generation:
+        """Queue this generation (``bounded``: subject to the waiting queue's bound)."""
+        self.started = time.perf_counter()
+        self.seq = self.engine.scheduler.submit(self.prompt, self.params, self.scope, self.boundaries, self.root,
+                                                bounded=bounded)
+        return self.seq
+
+    def pump(self) -> str:
+        """The text of the tokens generated since the last call; at the end,
+        the held-back tail too, and ``completion`` is set."""
+        seq, text = self.seq, self.text
+        out = []
+        for token in seq.take():
+            out.append(text.push(token))
+            if text.stopped:
+                seq.cancel("stop")
+                break
+        if seq.done and self.completion is None:
+            out.append(text.finish())
+            self._complete()
+        return "".join(out)
+
+    def _complete(self) -> None:
+        seq, end = self.seq, time.perf_counter()
+        first = seq.first_token_at or end
+        self.completion = Completion(text=self.text.emitted, tokens=list(seq.generated),
+                                     finish_reason=seq.finish_reason or "length", prompt_tokens=len(self.prompt),
+                                     cached_tokens=seq.cached_tokens, prefill_seconds=max(0.0, first - self.started),
+                                     decode_seconds=max(0.0, end - first))
+        self.engine.last_completion = self.completion
 
     def __iter__(self) -> Iterator[str]:
-        e, p = self.engine, self.params
-        cached = e._reuse_prefix(self.prompt, self.scope)
-        room = e.context_length - len(self.prompt)
-        max_tokens = min(p.max_tokens, room)
-        text = StopTextStream(e.tokenizer.stream_decoder(), p.stop)
-        generated: list[int] = []
-        finish = "length"
-        t0 = time.perf_counter()
-        t_first = t0
-
-        def prefilled() -> None:
-            nonlocal t_first
-            t_first = time.perf_counter()
-
-        e._cache_tokens = list(self.prompt[:cached])
-        e._cache_scope = self.scope
-        ended = False  # False when the consumer closed us early (or an error ended us)
+        scheduler = self.engine.scheduler
+        seq = self.submit()
         try:
-            with torch.inference_mode():
-                e._prefill_with_checkpoints(self.prompt, self.boundaries, self.root, self.scope, self.abort)
-                for token in generate_tokens(
-                    e.model, e._cache, self.prompt, Sampler(p), max_tokens, e.tokenizer.end_of_generation, prefilled,
-                    self.abort,
-                ):
-                    if token in e.tokenizer.end_of_generation:
-                        finish = "stop"
-                        break
-                    generated.append(token)
-                    piece = text.push(token)
-                    if piece:
-                        yield piece
-                    if text.stopped:
-                        finish = "stop"
-                        break
-            tail = text.finish()
-            if tail:
-                yield tail
-            ended = True
+            while True:
+                piece = self.pump()
+                if piece:
+                    yield piece
+                if seq.done:
+                    return
+                if self.abort is not None and self.abort():
+                    if seq.generated:
+                        raise Cancelled(f"generation was cancelled after {len(seq.generated)} tokens")
+                    read = seq.cache.length if seq.cache is not None else 0
+                    raise Cancelled(f"prefill was cancelled after {read} of {len(self.prompt)} tokens")
+                scheduler.step()
         finally:
-            # The cache holds the prompt and every generated token but the last.
-            e._cache_tokens = (self.prompt + generated)[: e._cache.length]
-            t_end = time.perf_counter()
-            self.completion = Completion(
-                text=text.emitted,
-                tokens=generated,
-                finish_reason=finish if ended else "cancelled",
-                prompt_tokens=len(self.prompt),
-                cached_tokens=cached,
-                prefill_seconds=t_first - t0,
-                decode_seconds=t_end - t_first,
-            )
-            e.last_completion = self.completion
+            if not seq.done:  # closed early, cancelled, or an error: the sequence ends here
+                seq.cancel("cancelled")
+                scheduler.retire()
+            if self.completion is None:
+                self.text.finish()
+                self._complete()
 
 
-def run_together(scheduler: Scheduler, runs: Sequence[_Run]) -> list[_Run]:
-    """Step ``scheduler`` until every run's generation has ended, turning
-    each one's tokens into text (stop strings end a generation early)."""
-    work = []
+def run_together(scheduler: Scheduler, runs: Sequence[Run]) -> list[Run]:
+    """Step ``scheduler`` until every run's generation has ended."""
     for run in runs:
-        seq = scheduler.submit(run.prompt, run.params, scope=run.scope, bounded=False)
-        work.append((run, seq, StopTextStream(run.engine.tokenizer.stream_decoder(), run.params.stop)))
-    t0 = time.perf_counter()
+        run.submit()
     while True:
-        for run, seq, text in work:
-            for token in seq.take():
-                text.push(token)
-                if text.stopped:
-                    seq.cancel("stop")
-                    break
-        if all(seq.done for _, seq, _ in work):
-            break
+        for run in runs:
+            run.pump()
+        if all(run.completion is not None for run in runs):
+            return list(runs)
         scheduler.step()
-    t_end = time.perf_counter()
-    for run, seq, text in work:
-        text.finish()
-        t_first = seq.first_token_at or t_end
-        run.completion = Completion(text=text.emitted, tokens=seq.generated[:len(seq.generated)],
-                                    finish_reason=seq.finish_reason or "length", prompt_tokens=len(run.prompt),
-                                    cached_tokens=seq.cached_tokens, prefill_seconds=max(0.0, t_first - t0),
-                                    decode_seconds=max(0.0, t_end - t_first))
-    return list(runs)
 
 
 def _token_text(tokenizer: Tokenizer, token: int | None) -> str:

@@ -31,3 +31,7 @@ class ContextLengthError(StrataError):
 
 class Cancelled(StrataError):
     """The caller asked to stop (its ``abort`` said yes) before the work was done."""
+
+
+class QueueFull(StrataError):
+    """The engine's waiting queue is at its bound; retry shortly."""

@@ -323,6 +323,27 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def copy_prefix(self, source: "KVCache", n: int) -> bool:
+        """Make this empty cache hold ``source``'s first ``n`` positions (another
+        sequence of the same pool, holding at least them), copying their rows
+        on the device. False (this cache unchanged) where one of ``source``'s
+        rings no longer holds all of them this cache would keep, or the pool
+        has no blocks for them."""
+        if self.length or n > source.length:
+            raise ValueError("copy_prefix fills an empty cache from a sequence holding the prefix")
+        if any(source.length - source.capacity(layer) > max(0, n - self.capacity(layer))
+               for layer in range(len(self.stores))):
+            return False
+        if not self.reserve(n):
+            return False
+        for layer, store in enumerate(self.stores):
+            positions = torch.arange(max(0, n - self.capacity(layer)), n, device=store.k.device)
+            src, dst = source.tables(layer).slots(0, positions), self.tables(layer).slots(0, positions)
+            for t in store_fields(store).values():
+                t[dst] = t[src]
+        self.length = n
+        return True
+
     # --- size -----------------------------------------------------------------
 
     @property

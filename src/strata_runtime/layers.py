@@ -4,6 +4,7 @@ over GGUF weights, RMSNorm, rotary embeddings."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,10 @@ class Linear(nn.Module):
         # the dtype their prefill GEMMs run in.
         self.cpu_blocks = self.qweight is not None and backend.cpu_kernels
         self.gemm_dtype = backend.prefill_matmuls
-        self.projection = Projections(self)
+        # Through a weak proxy: a layer that held itself in a cycle kept its
+        # weights alive after the model was dropped, until the garbage
+        # collector happened to run (700 MiB a Gemma engine on the exact path).
+        self.projection = Projections(weakref.proxy(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection(x)[0]

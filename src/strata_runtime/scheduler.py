@@ -33,17 +33,13 @@ import torch
 
 from .batch import Batch
 from .conversation_cache import ConversationCache, Restored, common_prefix
-from .errors import StrataError
+from .errors import QueueFull, StrataError
 from .kv_cache import PREFILL_CHUNK, KVCache, KVPool
 from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
 WAITING, PREFILLING, DECODING, FINISHED = "waiting", "prefilling", "decoding", "finished"
-
-
-class QueueFull(StrataError):
-    """The waiting queue is at its bound; retry later."""
 
 
 @dataclass(eq=False)
@@ -65,8 +61,9 @@ class Generation:
     sampler: Sampler
     max_tokens: int
     scope: str = ""
-    checkpoints: tuple[int, ...] = ()  # prompt positions to save running state at (turn boundaries)
-    root: int | None = None  # the checkpoint that is the conversation's pinned root
+    boundaries: tuple[int, ...] = ()  # the prompt's chat turn boundaries (checkpoint candidates)
+    root: int | None = None  # the boundary that is the conversation's pinned root
+    checkpoints: tuple[int, ...] = ()  # prompt positions to save running state at, chosen at admission
     state: str = WAITING
     tokens: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -114,7 +111,11 @@ class Scheduler:
 
     def __init__(self, model, pool: KVPool, context_length: int, end_of_generation: frozenset[int],
                  max_running: int = 4, max_waiting: int = 64, chunk_tokens: int = PREFILL_CHUNK,
-                 conversations: ConversationCache | None = None, max_residents: int = 8):
+                 conversations: ConversationCache | None = None, max_residents: int = 4,
+                 private: KVCache | None = None):
+        """``private``: the one cache every sequence uses in turn (a split
+        across processes, whose ranks step their twin of it), with
+        ``max_running`` and ``max_residents`` 1; else caches come from ``pool``."""
         if max_running < 1 or chunk_tokens < 1:
             raise ValueError("max_running and chunk_tokens must be at least 1")
         self.model = model
@@ -126,6 +127,7 @@ class Scheduler:
         self.chunk_tokens = min(chunk_tokens, PREFILL_CHUNK)  # the rings hold a window plus one chunk
         self.conversations = conversations
         self.max_residents = max_residents
+        self.private = private
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self.residents: list[Resident] = []
@@ -137,7 +139,7 @@ class Scheduler:
     # --- requests -----------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, scope: str = "",
-               checkpoints: Sequence[int] = (), root: int | None = None, bounded: bool = True) -> Generation:
+               boundaries: Sequence[int] = (), root: int | None = None, bounded: bool = True) -> Generation:
         """Queue a request; ``QueueFull`` past ``max_waiting`` waiting ones
         (``bounded``: a server's clients; a notebook's own list is not)."""
         if bounded and len(self.waiting) >= self.max_waiting:
@@ -150,7 +152,7 @@ class Scheduler:
                               f"but the pool holds {g.n_blocks}; shorten it or give the engine more KV memory")
         seq = Generation(next(self._ids), prompt, params, Sampler(params),
                         max_tokens=min(params.max_tokens, self.context_length - len(prompt)), scope=scope,
-                        checkpoints=tuple(checkpoints), root=root, tokens=list(prompt))
+                        boundaries=tuple(boundaries), root=root, tokens=list(prompt))
         self.counters["requests"] += 1
         if seq.max_tokens <= 0:  # nothing to generate: no state to compute
             seq.cancel("length")
@@ -170,7 +172,7 @@ class Scheduler:
 
     def step(self) -> None:
         """Admit what fits, then one forward over every running sequence's next rows."""
-        self._retire()
+        self.retire()
         self._admit()
         batch_seqs, counts = self._plan()
         if not batch_seqs:
@@ -179,14 +181,23 @@ class Scheduler:
         for seq, n in zip(batch_seqs, counts):
             at = seq.cache.length
             rows.extend(seq.tokens[at:at + n])
-        batch = Batch([s.cache for s in batch_seqs], counts)
-        self.peak_running = max(self.peak_running, len(batch))
+        # One sequence steps as itself (the model interface's KVCache; a split
+        # across processes knows no other), several as a Batch.
+        if len(batch_seqs) == 1:
+            state, start = batch_seqs[0].cache, batch_seqs[0].cache.length
+            positions = torch.arange(start, start + counts[0])
+        else:
+            state = Batch([s.cache for s in batch_seqs], counts)
+            positions = state.positions
+        self.peak_running = max(self.peak_running, len(batch_seqs))
+        self.counters["steps"] += 1
+        self.counters["prompt_tokens"] += sum(n for s, n in zip(batch_seqs, counts) if s.state == PREFILLING)
         ids = torch.tensor(rows, dtype=torch.long, device=self.model.device)
         with torch.inference_mode():
-            logits = self.model(ids, batch.positions.to(self.model.device), batch, last_only=True)
+            logits = self.model(ids, positions.to(self.model.device), state, last_only=True)
         for i, seq in enumerate(batch_seqs):
             self._after_rows(seq, logits[i])
-        self._retire()
+        self.retire()
 
     def _plan(self) -> tuple[list[Generation], list[int]]:
         """Decode rows first (each decoding sequence's last token), then
@@ -234,6 +245,7 @@ class Scheduler:
             return
         seq.tokens.append(token)
         seq.generated.append(token)
+        self.counters["generated_tokens"] += 1
         seq.events.append(token)
         if len(seq.generated) >= seq.max_tokens:
             seq.cancel("length")
@@ -258,14 +270,22 @@ class Scheduler:
             self.waiting.popleft()
             seq.cache = cache
             seq.state = PREFILLING if cache.length < len(seq.tokens) else DECODING
+            cc = self.conversations
+            if cc is not None and any(w is not None for w in cache.windows):
+                # Running state cannot be cut back: save it on the way (every N tokens, at turn boundaries).
+                seq.checkpoints = tuple(cc.checkpoint_positions(cache.length, len(seq.prompt) - 1, seq.boundaries))
             seq.admitted = next(self._admissions)
             self.running.append(seq)
 
     def _state_for(self, seq: Generation) -> KVCache | None:
-        """A cache for ``seq``: the resident one that shares the longest prefix
-        of its tokens (taken over and cut back), else a fresh one (restored
-        from a parked snapshot where one fits), holding the blocks its
-        tokens need; None while the pool cannot give them."""
+        """A cache for ``seq``, holding the blocks its tokens need, or None
+        while the pool cannot give them (it waits).
+
+        The resident sequence (of its scope) sharing the longest prefix is
+        taken over: continued where the prompt extends all of it; otherwise
+        (as when a conversation returns) parked first, and the best of it,
+        the parked snapshots and the checkpoints restored into it. Without a
+        resident to take, a fresh cache (a restore where a snapshot fits)."""
         limit = len(seq.tokens) - 1  # at least one token to read: its logits give the next
         best, shared = None, 0
         for r in self.residents:
@@ -273,38 +293,73 @@ class Scheduler:
                 n = min(common_prefix(r.tokens, seq.tokens), limit)
                 if n > shared:
                     best, shared = r, n
+        cc = self.conversations
+        on_host = 0 if cc is None else min(cc.longest_prefix(seq.tokens, seq.scope), limit)
+        if best is not None and shared < on_host:  # a parked state goes further: restore it into a fresh cache
+            best, shared = None, 0
+        if best is not None and shared < len(best.tokens) and self.private is None:
+            # The prompt parts from the resident: copy the shared prefix into a
+            # sequence of its own where there is room, leaving the resident be
+            # (two conversations alternating both stay on the device).
+            cache = KVCache.on_pool(self.pool, self.context_length)
+            if self._room_for(cache, len(seq.tokens)) and cache.copy_prefix(best.cache, shared):
+                cache.reserve(len(seq.tokens) - shared)  # room was checked for all of them
+                best.last_used = time.monotonic()
+                self.counters["prefix_copies"] += 1
+                return self._admitted(seq, cache, shared)
+            cache.release()
         if best is not None:
             self.residents.remove(best)
-            cache = best.cache
-            kept = cache.trim(shared)
-            self.counters["prefix_hits"] += 1 if kept else 0
+            cache, held = best.cache, best.tokens
         else:
-            cache = KVCache.on_pool(self.pool, self.context_length)
-            kept = 0
+            if self.private is not None:  # one cache in turn: what holds it goes first
+                while self.residents:
+                    self._evict_resident()
+                cache = self.private
+                cache.reset()
+            else:
+                cache = KVCache.on_pool(self.pool, self.context_length)
+            held = ()
+        if held and shared == len(held):
+            kept = shared  # the prompt extends it: carry on
+        elif cc is not None and (held or on_host):
+            if held:
+                cc.park(cache, held, scope=seq.scope)
+            outcome = cc.restore(cache, held, seq.tokens, scope=seq.scope, live_scope=seq.scope)
+            kept = outcome.position if isinstance(outcome, Restored) else 0
+        else:
+            kept = cache.trim(shared)
         while not self._reserve_leaving_room(cache, len(seq.tokens) - cache.length):
             if not self._evict_resident():
-                if best is not None:  # keep its state resident for a later try
+                if cache.length:  # keep what it holds resident for a later try
                     self.residents.append(Resident(cache, tuple(seq.tokens[:cache.length]), seq.scope))
                 else:
                     cache.release()
                 return None
-        if kept == 0 and self.conversations is not None:
-            outcome = self.conversations.restore(cache, [], seq.tokens, scope=seq.scope)
-            kept = outcome.position if isinstance(outcome, Restored) else 0
+        return self._admitted(seq, cache, kept)
+
+    def _admitted(self, seq: Generation, cache: KVCache, kept: int) -> KVCache:
+        """Count a prefix query of ``seq`` that reuses ``kept`` tokens."""
         seq.cached_tokens = seq.cached_tokens or kept
         self.counters["prefix_queries"] += 1
         self.counters["prefix_query_tokens"] += len(seq.tokens)
         self.counters["prefix_hit_tokens"] += kept
+        self.counters["prefix_hits"] += 1 if kept else 0
         return cache
+
+    def _room_for(self, cache: KVCache, n: int) -> bool:
+        """Whether the pool's free blocks hold ``n`` positions for an empty
+        ``cache`` and leave a block for each running sequence."""
+        need = cache.blocks_needed(n)
+        return all(k + len(self.running) <= free for k, free in zip(need, self.pool.free_blocks()))
 
     def _reserve_leaving_room(self, cache: KVCache, n: int) -> bool:
         """``cache.reserve(n)`` where that leaves a block free in every group
         for each running sequence (their next growth): admitting what would
         at once be preempted again only trades one sequence's work for another's."""
-        need = cache.blocks_needed(n)
-        if any(k + len(self.running) > free for k, free in zip(need, self.pool.free_blocks())):
-            return False
-        return cache.reserve(n)
+        if not any(cache.blocks_needed(n)):
+            return True
+        return self._room_for(cache, n) and cache.reserve(n)
 
     def _evict_resident(self) -> bool:
         """Free the least recently used resident's blocks, parked to the host first where it can be."""
@@ -339,7 +394,7 @@ class Scheduler:
         log.info("scheduler: preempted sequence %d at %d tokens (%s): no free KV block", victim.id,
                  len(victim.tokens), outcome)
 
-    def _retire(self) -> None:
+    def retire(self) -> None:
         """Finished sequences leave ``running``; their state stays resident."""
         for seq in [s for s in self.running if s.state == FINISHED]:
             self.running.remove(seq)
@@ -354,8 +409,29 @@ class Scheduler:
 
     # --- figures ----------------------------------------------------------------------------
 
+    def slots(self) -> list[dict]:
+        """Every sequence the engine holds state for: running and waiting
+        requests, residents (finished, on the device) and parked
+        conversations (on the host). Scopes are not shown: they name clients."""
+        out = [{"id": s.id, "state": s.state, "tokens": len(s.tokens), "prompt_tokens": len(s.prompt),
+                "generated_tokens": len(s.generated), "blocks": s.cache.held_blocks if s.cache else 0,
+                "where": "device", "preemptions": s.preemptions} for s in (*self.running, *self.waiting)]
+        out += [{"state": "resident", "tokens": len(r.tokens), "blocks": r.cache.held_blocks, "where": "device"}
+                for r in self.residents]
+        if self.conversations is not None:
+            out += [{"state": "parked", "tokens": snap.length, "bytes": snap.stored.nbytes, "where": "host"}
+                    for snap in self.conversations.snapshots]
+        return out
+
+    def stats(self) -> dict:
+        """Counters, and the queue, running and resident figures now."""
+        return {**self.counters, "peak_running": self.peak_running, "running": len(self.running),
+                "waiting": len(self.waiting),
+                "resident": len(self.residents), "kv_usage": round(self.kv_usage(), 4),
+                "free_blocks": sum(self.pool.free_blocks()), "total_blocks": self.pool.total_blocks()}
+
     def kv_usage(self) -> float:
         """Fraction of the pool's blocks held by running sequences (residents can be reclaimed)."""
-        total = sum(g.n_blocks for g in self.pool.groups)
+        total = self.pool.total_blocks()
         held = sum(s.cache.held_blocks for s in self.running if s.cache is not None)
         return held / total if total else 0.0

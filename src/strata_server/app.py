@@ -53,6 +53,7 @@ def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) ->
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/props", api.props, methods=["GET"]),
+            Route("/slots", api.slots, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics_text, methods=["GET"]),
         ],
@@ -122,6 +123,7 @@ class _Api:
         """The job's events, with metrics; ``None`` once the client has left
         (the job is then cancelled). Closing this cancels an unfinished job."""
         first_piece: float | None = None
+        last_piece = 0.0
         try:
             while True:
                 get = asyncio.ensure_future(job.events.get())
@@ -131,9 +133,15 @@ class _Api:
                     yield None
                     return
                 kind, value = get.result()
-                if kind == "piece" and first_piece is None:
-                    first_piece = time.perf_counter()
-                    self.metrics.ttft.observe(first_piece - job.arrived)
+                if kind == "piece":
+                    now = time.perf_counter()
+                    if first_piece is None:
+                        first_piece = now
+                        self.metrics.ttft.observe(now - job.arrived)
+                        self.metrics.vllm_ttft.observe(now - job.arrived)
+                    else:
+                        self.metrics.vllm_itl.observe(now - last_piece)
+                    last_piece = now
                 if kind == "done":
                     self._record(value, first_piece)
                 yield kind, value
@@ -147,6 +155,8 @@ class _Api:
         self.metrics.prompt_tokens.inc(done["prompt_tokens"])
         self.metrics.cached_tokens.inc(done["cached_tokens"])
         self.metrics.generated_tokens.inc(done["completion_tokens"])
+        self.metrics.vllm_prompt_tokens.inc(done["prompt_tokens"])
+        self.metrics.vllm_generation_tokens.inc(done["completion_tokens"])
         if first_piece is not None and done["completion_tokens"] > 1:
             self.metrics.per_token.observe((time.perf_counter() - first_piece) / (done["completion_tokens"] - 1))
 
@@ -182,6 +192,15 @@ class _Api:
     async def models(self, request: Request) -> Response:
         data = [{"id": self.config.served_model_id, "object": "model", "created": 0, "owned_by": "strata"}]
         return JSONResponse({"object": "list", "data": data})
+
+    async def slots(self, request: Request) -> Response:
+        """The sequences the engine holds state for, as of its last step."""
+        s = self.supervisor
+        if not s.answering:
+            status, body = s.health()
+            return JSONResponse(body, status_code=status)
+        return JSONResponse({"parallel": s.parallel, "in_flight": s.in_flight, "queued": s.queue_length,
+                             "scheduler": s.scheduler, "slots": s.slots})
 
     async def props(self, request: Request) -> Response:
         s = self.supervisor
@@ -293,7 +312,8 @@ def run(config: ServerConfig) -> int:
     """Serve until stopped; 0 on a clean stop, 3 when the engine kept crashing."""
     import uvicorn
 
-    metrics = Metrics(cache_stats=lambda: supervisor.stats)
+    metrics = Metrics(cache_stats=lambda: supervisor.stats, scheduler_stats=lambda: supervisor.scheduler,
+                      queued=lambda: supervisor.queue_length)
     server: uvicorn.Server | None = None
 
     def give_up() -> None:

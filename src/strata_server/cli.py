@@ -49,6 +49,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (on a GPU, matmuls read the GGUF blocks)")
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")
+    g.add_argument("--parallel", "-np", type=_positive_int, default=None,
+                   help="requests decoded together (default 2 on a CPU, 4 on a GPU); the KV memory is reserved for "
+                        "this many sequences of --context-length, or as --kv-memory-mib says")
+    g.add_argument("--kv-memory-mib", type=_positive_int, default=None,
+                   help="KV memory reserved at load, shared by the sequences in blocks (default: --parallel "
+                        "sequences of --context-length)")
     g.add_argument("--threads", "-t", type=_positive_int, default=None, help="CPU threads (default: torch's)")
     g.add_argument("--devices", default=None,
                    help="split the layers over these devices, e.g. cuda:0,cuda:1 (see strata info --devices)")
@@ -111,9 +117,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
 # The argparse destinations that are SamplingParams fields and load() options.
 SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop")
-ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "conversation_cache_mib",
-                  "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices", "layer_split",
-                  "rank_timeout_s")
+ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "parallel", "kv_memory_mib",
+                  "conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices",
+                  "layer_split", "rank_timeout_s")
 
 
 def _pick(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:

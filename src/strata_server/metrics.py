@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Routes are labelled by path; anything else is "other", so label values stay few.
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/props", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/props", "/slots", "/health", "/metrics")
 
 # Conversation cache counters from Engine.stats(), exported as <name>_total.
 CACHE_COUNTERS = ("parked", "restored", "live_reused", "checkpoints_saved", "evictions")
@@ -19,9 +19,18 @@ class Metrics:
     """The server's counters, gauges and histograms, plus the engine's latest
     conversation-cache counters (read through ``cache_stats`` at scrape time)."""
 
-    def __init__(self, cache_stats: Callable[[], dict[str, Any]] = dict):
+    def __init__(self, cache_stats: Callable[[], dict[str, Any]] = dict,
+                 scheduler_stats: Callable[[], dict[str, Any]] = dict, queued: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # vLLM's names under strata: (what dashboards built for vLLM read).
+        self.vllm_prompt_tokens = Counter("strata:prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.vllm_generation_tokens = Counter("strata:generation_tokens", "tokens generated", registry=r)
+        self.vllm_ttft = Histogram("strata:time_to_first_token_seconds", "arrival to first generated text",
+                                   buckets=(0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.vllm_itl = Histogram("strata:inter_token_latency_seconds", "time between a stream's pieces of text",
+                                  buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2),
+                                  registry=r)
         self.requests = Counter("strata_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("strata_prompt_tokens", "prompt tokens of served requests", registry=r)
@@ -38,6 +47,7 @@ class Metrics:
         self.engine_up = Gauge("strata_engine_up", "1 while an engine is loaded and answering", registry=r)
         self.queue_depth = Gauge("strata_queue_depth", "requests waiting behind the one being served", registry=r)
         r.register(_ConversationCacheCollector(cache_stats))
+        r.register(_SchedulerCollector(scheduler_stats, queued))
 
     def route(self, path: str) -> str:
         return path if path in ROUTES else "other"
@@ -72,3 +82,33 @@ class _ConversationCacheCollector:
         for name in CACHE_GAUGES:
             yield GaugeMetricFamily(f"strata_conversation_cache_{name}", f"conversation cache: {name}",
                                     value=stats.get(name, 0))
+
+
+class _SchedulerCollector:
+    """The engine scheduler's figures under vLLM's metric names (``strata:``
+    prefix), from its latest state (sent after each step)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], queued: Callable[[], int]):
+        self._stats = stats
+        self._queued = queued
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._stats()
+        yield GaugeMetricFamily("strata:num_requests_running", "requests decoding or reading their prompt",
+                                value=s.get("running", 0))
+        yield GaugeMetricFamily("strata:num_requests_waiting", "requests waiting for the engine or for KV blocks",
+                                value=s.get("waiting", 0) + self._queued())
+        yield GaugeMetricFamily("strata:kv_cache_usage_perc", "fraction of KV blocks held by running requests",
+                                value=s.get("kv_usage", 0.0))
+        preemptions = CounterMetricFamily("strata:num_preemptions", "running requests preempted for KV blocks",
+                                          labels=["outcome"])
+        for outcome in ("parked", "recomputed"):
+            preemptions.add_metric([outcome], s.get(f"preemptions_{outcome}", 0))
+        yield preemptions
+        yield CounterMetricFamily("strata:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=s.get("prefix_query_tokens", 0))
+        yield CounterMetricFamily("strata:prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                  value=s.get("prefix_hit_tokens", 0))

@@ -1,7 +1,9 @@
 """The engine process and its keeper.
 
 The engine runs in a child process (``worker.py``). The supervisor starts
-it, feeds it one request at a time in arrival order, pings it, and when it
+it, feeds it requests in arrival order, as many at once as the engine runs
+together (its ``parallel``; the rest wait here, a bounded queue), pings it,
+and when it
 exits or stops answering: logs one line with the exit code and the child's
 last error, fails the requests it held with a 503 at once, and starts a new
 child straight away (after a backoff of 1 s, 2 s, 4 s, ... capped), not on
@@ -41,8 +43,8 @@ _LEVELS = {name: getattr(logging, name) for name in ("DEBUG", "INFO", "WARNING",
 class Job:
     """One request from arrival to its last event.
 
-    Invariant: a job is in the waiting queue, or is the one in flight, or is
-    finished; ``events`` gets ``("piece", text)`` items and then exactly one
+    Invariant: a job is in the waiting queue, or is in flight (sent to the
+    engine), or is finished; ``events`` gets ``("piece", text)`` items and then exactly one
     ``("done", message)`` or ``("error", ApiError)``."""
 
     id: int
@@ -70,10 +72,12 @@ class Supervisor:
         self.last_exit: dict[str, Any] | None = None
         self.props: dict[str, Any] | None = None
         self.stats: dict[str, Any] = {}
+        self.scheduler: dict[str, Any] = {}  # the engine's latest scheduler counters and figures
+        self.slots: list[dict[str, Any]] = []  # and the sequences it holds state for
         self.engine_pid: int | None = None
         self.ready_at: float | None = None
         self._waiting: deque[Job] = deque()
-        self._in_flight: Job | None = None
+        self._in_flight: dict[int, Job] = {}
         self._next_id = 0
         self._crashes: deque[float] = deque()
         self._proc: asyncio.subprocess.Process | None = None
@@ -100,9 +104,9 @@ class Supervisor:
         """Queue a request; a 503 when no engine is answering or the queue is full."""
         if not self.answering:
             raise unavailable(f"the engine is {self.health()[1]['status']}; retry shortly", "engine_unavailable")
-        if self._in_flight is not None and len(self._waiting) >= self.config.max_queue:
-            raise unavailable(f"the server is busy ({len(self._waiting)} requests waiting); retry shortly",
-                              "queue_full")
+        if len(self._in_flight) >= self.parallel and len(self._waiting) >= self.config.max_queue:
+            raise unavailable(f"the server is busy ({len(self._in_flight)} requests in flight, "
+                              f"{len(self._waiting)} waiting); retry shortly", "queue_full")
         self._next_id += 1
         job = Job(self._next_id, {**command, "op": "generate", "id": self._next_id})
         self._waiting.append(job)
@@ -120,8 +124,22 @@ class Supervisor:
             self._waiting.remove(job)
             self.metrics.queue_depth.set(len(self._waiting))
             job.finished = True
-        elif job is self._in_flight:
+        elif job.id in self._in_flight:
             self._send({"op": "cancel", "id": job.id})
+
+    @property
+    def parallel(self) -> int:
+        """Requests the engine runs together (its ``props``), 1 before it has said."""
+        return int((self.props or {}).get("parallel", 1))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting here for the engine to take them."""
+        return len(self._waiting)
 
     # --- life cycle ------------------------------------------------------------
 
@@ -251,15 +269,15 @@ class Supervisor:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.state == "ready" and self._in_flight is None and self._waiting:
+            while self.state == "ready" and len(self._in_flight) < self.parallel and self._waiting:
                 job = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
-                self._in_flight = job
+                self._in_flight[job.id] = job
                 try:
                     self._send(job.command)
                 except Exception as e:  # this job cannot be sent: fail it, serve the next
                     log.exception("request %d could not be sent to the engine", job.id)
-                    self._in_flight = None
+                    del self._in_flight[job.id]
                     job.finished = True
                     job.events.put_nowait(("error", ApiError(
                         500, f"internal error: the request could not be sent to the engine ({type(e).__name__})",
@@ -292,6 +310,7 @@ class Supervisor:
         kind = event.get("ev")
         if kind == "ready":
             self.props, self.engine_pid, self.stats = event["props"], event["pid"], event["stats"]
+            self.scheduler, self.slots = {}, []
             self.ready_at = time.time()
             self.state = "ready"
             self.metrics.engine_up.set(1)
@@ -300,21 +319,24 @@ class Supervisor:
             self._wake.set()
         elif kind == "fatal":
             self._last_error = event.get("message")
+        elif kind == "state":
+            self.scheduler, self.slots = event.get("scheduler") or {}, event.get("slots") or []
         elif kind in ("piece", "done", "error"):
-            job = self._in_flight
-            if job is None or job.id != event.get("id"):
+            job = self._in_flight.get(event.get("id"))
+            if job is None:
                 return
             if kind == "piece":
                 job.events.put_nowait(("piece", event["text"]))
                 return
             if kind == "done":
                 self.stats = event.get("stats") or self.stats
+                self.scheduler = event.get("scheduler") or self.scheduler
                 job.events.put_nowait(("done", event))
             else:
                 job.events.put_nowait(("error", ApiError(event["status"], event["message"], event["type"],
                                                          event.get("code"))))
             job.finished = True
-            self._in_flight = None
+            del self._in_flight[job.id]
             self._wake.set()
 
     async def _read_log(self, stream: asyncio.StreamReader, pid: int) -> None:
@@ -329,8 +351,8 @@ class Supervisor:
             engine_log.log(level, "engine[%d] %s", pid, line)
 
     def _fail_jobs(self, error: ApiError) -> None:
-        jobs = ([self._in_flight] if self._in_flight else []) + list(self._waiting)
-        self._in_flight = None
+        jobs = list(self._in_flight.values()) + list(self._waiting)
+        self._in_flight = {}
         self._waiting.clear()
         self.metrics.queue_depth.set(0)
         for job in jobs:

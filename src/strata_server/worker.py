@@ -3,8 +3,11 @@
 Run by the supervisor as ``python -m strata_server.worker SPEC`` (SPEC: a
 JSON object with ``model`` and ``options`` for ``strata_runtime.load``). A
 reader thread answers pings and takes cancels at once, even while the main
-thread is generating; the main thread serves one request at a time. When
-stdin closes (the supervisor is gone) the process exits.
+thread is generating; the main thread starts each request as it arrives and
+steps the engine's scheduler, every request in flight advancing together,
+sending each one's text as it comes and the scheduler's state after each
+step (for ``/slots`` and the metrics). When stdin closes (the supervisor is
+gone) the process exits.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from typing import Any, BinaryIO
 
 from .protocol import decode, encode
@@ -65,45 +69,93 @@ def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict |
     os._exit(0)
 
 
-def serve_one(engine, command: dict[str, Any], channel: Channel, cancelled: set) -> None:
-    """Run one request, sending its pieces and then ``done`` or ``error``."""
-    from strata_runtime import Cancelled, ChatTemplateError, ContextLengthError, StrataError
+class Requests:
+    """The requests in flight: each a ``Run`` of the engine, by request id.
 
-    rid = command["id"]
-    engine.last_completion = None
-    # Asked between chunks of tokenizing and prefilling, so a client that left
-    # stops costing engine time within one chunk.
-    options = {"abort": lambda: rid in cancelled, "cache_scope": command.get("cache_scope", ""),
-               **command["sampling"]}
-    try:
-        if command["kind"] == "chat":
-            pieces = engine.chat(command["messages"], stream=True, **options)
-        else:
-            pieces = engine.stream(command["prompt"], **options)
-        for piece in pieces:
-            channel.send(ev="piece", id=rid, text=piece)
-            if rid in cancelled:
-                pieces.close()  # the run's cleanup keeps the live cache consistent
-                break
-    except Cancelled as e:
-        log.info("request %s stopped: %s", rid, e)
-        _send_done(channel, rid, engine, engine.last_completion)
-        return
-    except ContextLengthError as e:
-        channel.send(ev="error", id=rid, status=400, type="invalid_request_error",
-                     code="context_length_exceeded", message=str(e))
-        return
-    except (StrataError, ChatTemplateError, ValueError, TypeError) as e:
-        channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=None, message=str(e))
-        return
-    except Exception as e:  # the engine stays up; the request gets a 500
-        log.exception("request %s failed", rid)
-        channel.send(ev="error", id=rid, status=500, type="server_error", code=None,
-                     message=f"the engine failed on this request ({type(e).__name__}: {e})")
-        return
-    finally:
-        cancelled.discard(rid)
-    _send_done(channel, rid, engine, engine.last_completion)
+    Invariant: every id in ``active`` has had no ``done`` or ``error`` event
+    yet; its run's sequence is in the engine's scheduler."""
+
+    STATE_EVERY_S = 0.25  # the scheduler's state is sent at most this often while busy
+
+    def __init__(self, engine, channel: Channel, cancelled: set):
+        self.engine = engine
+        self.channel = channel
+        self.cancelled = cancelled
+        self.active: dict[int, Any] = {}
+        self._state_sent = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active) or self.engine.scheduler.busy
+
+    def start(self, command: dict[str, Any]) -> None:
+        """Tokenize and queue one request, or answer its error."""
+        from strata_runtime import (Cancelled, ChatTemplateError, ContextLengthError, QueueFull,
+                                    StrataError)
+
+        rid = command["id"]
+        if rid in self.cancelled:  # cancelled before it started
+            self.cancelled.discard(rid)
+            _send_done(self.channel, rid, self.engine, None)
+            return
+        # Asked between chunks of tokenizing, so a client that left stops costing engine time.
+        options = {"abort": lambda: rid in self.cancelled, "cache_scope": command.get("cache_scope", ""),
+                   **command["sampling"]}
+        try:
+            if command["kind"] == "chat":
+                run = self.engine.submit(messages=command["messages"], **options)
+            else:
+                run = self.engine.submit(command["prompt"], **options)
+        except Cancelled as e:
+            log.info("request %s stopped: %s", rid, e)
+            self.cancelled.discard(rid)
+            _send_done(self.channel, rid, self.engine, None)
+            return
+        except QueueFull as e:
+            self.channel.send(ev="error", id=rid, status=503, type="server_error", code="queue_full", message=str(e))
+            return
+        except ContextLengthError as e:
+            self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error",
+                              code="context_length_exceeded", message=str(e))
+            return
+        except (StrataError, ChatTemplateError, ValueError, TypeError) as e:
+            self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=None, message=str(e))
+            return
+        self.active[rid] = run
+
+    def step(self) -> None:
+        """One scheduler step, then each request's new text; ``done`` for those that ended."""
+        for rid, run in self.active.items():
+            if rid in self.cancelled:
+                run.seq.cancel("cancelled")
+        scheduler = self.engine.scheduler
+        try:
+            scheduler.step()
+        except Exception as e:  # the step's requests get a 500; the engine goes on with the next ones
+            log.exception("a scheduler step failed")
+            for rid, run in list(self.active.items()):
+                if run.seq.state != "waiting":
+                    run.seq.cancel("error")
+                    self.channel.send(ev="error", id=rid, status=500, type="server_error", code=None,
+                                      message=f"the engine failed on this request ({type(e).__name__}: {e})")
+                    del self.active[rid]
+                    self.cancelled.discard(rid)
+            scheduler.retire()
+        for rid, run in list(self.active.items()):
+            piece = run.pump()
+            if piece:
+                self.channel.send(ev="piece", id=rid, text=piece)
+            if run.completion is not None:
+                del self.active[rid]
+                self.cancelled.discard(rid)
+                _send_done(self.channel, rid, self.engine, run.completion)
+        now = time.monotonic()
+        if now - self._state_sent >= self.STATE_EVERY_S or not self.busy:
+            self.send_state()
+
+    def send_state(self) -> None:
+        self._state_sent = time.monotonic()
+        self.channel.send(ev="state", scheduler=self.engine.scheduler.stats(), slots=self.engine.scheduler.slots())
 
 
 def _send_done(channel: Channel, rid: int, engine, completion) -> None:
@@ -112,7 +164,8 @@ def _send_done(channel: Channel, rid: int, engine, completion) -> None:
     channel.send(ev="done", id=rid, finish_reason="cancelled" if c is None else c.finish_reason,
                  prompt_tokens=0 if c is None else c.prompt_tokens,
                  completion_tokens=0 if c is None else c.completion_tokens,
-                 cached_tokens=0 if c is None else c.cached_tokens, stats=engine.stats())
+                 cached_tokens=0 if c is None else c.cached_tokens, stats=engine.stats(),
+                 scheduler=engine.scheduler.stats())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,13 +187,27 @@ def main(argv: list[str] | None = None) -> int:
         channel.send(ev="fatal", message=f"{type(e).__name__}: {e}")
         return 1
     channel.send(ev="ready", pid=os.getpid(), props=engine.props(), stats=engine.stats())
-    while (command := inbox.get()) is not None:
-        if command["id"] in cancelled:
-            cancelled.discard(command["id"])
-            _send_done(channel, command["id"], engine, None)
-            continue
-        serve_one(engine, command, channel, cancelled)
-    return 0
+    requests = Requests(engine, channel, cancelled)
+    requests.send_state()
+    while True:
+        # Wait for work when there is none; otherwise take what has arrived and step.
+        try:
+            command = inbox.get(block=not requests.busy)
+        except queue.Empty:
+            command = _NOTHING
+        while command is not _NOTHING:
+            if command is None:
+                return 0
+            requests.start(command)
+            try:
+                command = inbox.get_nowait()
+            except queue.Empty:
+                command = _NOTHING
+        if requests.busy:
+            requests.step()
+
+
+_NOTHING = object()  # no command waiting
 
 
 if __name__ == "__main__":

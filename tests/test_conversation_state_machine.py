@@ -17,7 +17,7 @@ _engines: dict[str, object] = {}
 
 def _engines_for(model_file):
     if not _engines:
-        _engines["warm"] = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=256,
+        _engines["warm"] = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=256, parallel=2,
                                                conversation_cache_mib=12, conversation_cache_slots=3,
                                                min_free_mib=0, checkpoint_every=24)
         _engines["cold"] = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=256,

@@ -30,8 +30,10 @@ def test_two_stages_cover_every_layer_and_every_byte(model_gguf):
 
 
 def test_planned_kv_bytes_are_the_bytes_a_cache_allocates(engine, model_file):
-    """The plan counts the storage the engine actually allocates (f16 as float32 on the exact CPU path)."""
-    (stage,) = plan_split(engine.gguf, ["cpu"], None, context=engine.context_length, dtype="float32")
+    """The plan counts the storage the engine actually allocates (f16 as float32 on the exact CPU path),
+    for the sequences its pool holds."""
+    (stage,) = plan_split(engine.gguf, ["cpu"], None, context=engine.context_length, dtype="float32",
+                          sequences=engine.props()["parallel"])
     assert stage.kv_bytes == engine.props()["kv_bytes"]
 
 

@@ -37,7 +37,7 @@ class EngineConfig:
     device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
     kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU, bfloat16 with dtype=bfloat16), int8, k8v4
     context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
-    parallel: int | None = None  # sequences decoded together (generate_many); None: 2 on a CPU, 4 on a GPU
+    parallel: int | None = None  # sequences decoded together; None: 4 (on a CPU, 2 where host memory is short)
     kv_memory_mib: int | None = None  # the KV pool for them; None: `parallel` sequences of context_length
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     conversation_cache_mib: int = 1024  # host staging pool for parked conversations (0: none)
@@ -83,6 +83,15 @@ class EngineConfig:
             object.__setattr__(self, "devices", tuple(parse_devices(self.devices)))
             split = parse_layer_split(self.layer_split)
             object.__setattr__(self, "layer_split", split if isinstance(split, str) or split is None else tuple(split))
+
+    def sequences(self, device: str) -> int:
+        """Sequences decoded together: ``parallel``, or 4 (a decode step of 4
+        costs about one weight read, as one does; on a CPU the engine takes 2
+        where the host's memory is short, ``Engine._reserve_scheduler``); 1 for
+        a split across processes (its ranks keep one cache)."""
+        if self.distributed:
+            return 1
+        return self.parallel or 4
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -144,7 +153,8 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
         # Checked from metadata alone: a bad split fails before any weight is read.
         context = min(config.context_length, gguf.config.context_length)
         placement = Placement.of_stages(plan_split(gguf, list(config.devices), config.layer_split, context,
-                                                   config.kv, memory=memory, dtype=config.dtype))
+                                                   config.kv, memory=memory, dtype=config.dtype,
+                                                   sequences=config.sequences(config.devices[0])))
     else:
         placement = Placement.one_device(config.device, len(opened.state_spec))
     tokenizer = Tokenizer.from_gguf(gguf)
@@ -199,7 +209,7 @@ class Engine:
         )
         self._turns = TurnMarker.of(self.chat_template, tokenizer)
         self.conversations = self._reserve_conversation_cache(config, memory)
-        self.scheduler = self._reserve_scheduler(config)
+        self.scheduler = self._reserve_scheduler(config, memory)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
 
@@ -236,15 +246,20 @@ class Engine:
         return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
                                  pool_refusal=decision.message.removeprefix("staging pool: "))
 
-    def _reserve_scheduler(self, config: EngineConfig) -> Scheduler:
+    def _reserve_scheduler(self, config: EngineConfig, memory: HostMemory | None) -> Scheduler:
         """The KV pool for sequences decoded together, reserved here, once:
         ``kv_memory_mib``, or ``parallel`` sequences of the context length.
         A split across processes runs one sequence at a time: each rank keeps
         its part of one cache (``ranks``), so its pool holds one sequence."""
-        parallel = 1 if config.distributed else config.parallel or (4 if self.model.device.type == "cuda" else 2)
+        parallel = config.sequences(str(self.model.device))
         spec = self.model.state_spec()
         per_sequence = KVPool.for_sequences(config.kv, spec, self.model.placement, 1, self.context_length,
                                             self.model.compute_path.kv_float, allocate=False).nbytes
+        if config.parallel is None and self.model.device.type == "cpu" and not config.distributed:
+            # Sized from memory: at most a quarter of the host's headroom for KV, and never fewer than 2.
+            headroom = (memory or HostMemory()).headroom()
+            while parallel > 2 and headroom.known and parallel * per_sequence > headroom.bytes // 4:
+                parallel -= 1
         sequences = parallel if config.kv_memory_mib is None else config.kv_memory_mib * MiB / per_sequence
         if config.distributed:
             cache = self.new_cache(self.context_length)  # the ranks' twin of this cache is the one they step
@@ -504,10 +519,7 @@ class Run:
                 if seq.done:
                     return
                 if self.abort is not None and self.abort():
-                    if seq.generated:
-                        raise Cancelled(f"generation was cancelled after {len(seq.generated)} tokens")
-                    read = seq.cache.length if seq.cache is not None else 0
-                    raise Cancelled(f"prefill was cancelled after {read} of {len(self.prompt)} tokens")
+                    raise Cancelled(seq.progress())
                 scheduler.step()
         finally:
             if not seq.done:  # closed early, cancelled, or an error: the sequence ends here

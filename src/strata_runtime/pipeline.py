@@ -50,7 +50,7 @@ class StagePlan:
     device: str
     layers: range
     weight_bytes: int
-    kv_bytes: int  # KV cache at the planned context, in the planned format
+    kv_bytes: int  # KV of the planned sequences at the planned context, in the planned format
 
 
 def parse_devices(devices: str | Sequence[str]) -> list[str]:
@@ -121,8 +121,10 @@ def _model_bytes(gguf: GGUFFile) -> _ModelBytes:
 def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | Sequence[int] | None,
                context: int, kv: str = "f16", reserve_bytes: int = DEFAULT_RESERVE,
                memory: HostMemory | None = None, free_bytes: Sequence[int] | None = None,
-               dtype: str = "auto") -> list[StagePlan]:
-    """The stages for ``devices`` and ``layer_split`` (see the module docstring).
+               dtype: str = "auto", sequences: int = 1) -> list[StagePlan]:
+    """The stages for ``devices`` and ``layer_split`` (see the module docstring),
+    each stage's KV counted for ``sequences`` sequences of ``context`` (the
+    engine's pool holds ``parallel`` of them).
     ``free_bytes``: each device's free memory when measured elsewhere (each
     rank of a split across processes measures its own). ``dtype``: the
     activations, which decide how f16 KV is stored on a CPU stage."""
@@ -148,8 +150,8 @@ def plan_split(gguf: GGUFFile, devices: str | Sequence[str], layer_split: str | 
         weights = sum(mb.per_layer[j] for j in layers)
         weights += (mb.first_extra if i == 0 else 0) + (mb.last_extra if i == len(devices) - 1 else 0)
         float_bytes = f16_storage_bytes(device, kv_float)
-        stages.append(StagePlan(device, layers, weights, kv_bytes([mb.spec[j] for j in layers], context, kv,
-                                                                  float_bytes)))
+        stages.append(StagePlan(device, layers, weights, sequences * kv_bytes([mb.spec[j] for j in layers], context,
+                                                                              kv, float_bytes)))
     return stages
 
 

@@ -84,6 +84,13 @@ class Generation:
         out, self.events = self.events, []
         return out
 
+    def progress(self) -> str:
+        """How far it got, for a log line or an error: "prefill ... after N of M tokens" or "generation ... after N tokens"."""
+        if self.generated:
+            return f"generation was cancelled after {len(self.generated)} tokens"
+        read = self.cache.length if self.cache is not None else 0
+        return f"prefill was cancelled after {read} of {len(self.prompt)} tokens"
+
     def cancel(self, reason: str = "cancelled") -> None:
         """End the sequence (its blocks go back at the next step); a consumer's stop string says "stop"."""
         if self.state != FINISHED:

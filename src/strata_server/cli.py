@@ -50,8 +50,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=_positive_int, default=4096, help="tokens of KV cache (default 4096)")
     g.add_argument("--kv", default="f16", choices=["f16", "int8", "k8v4"], help="KV cache format (default f16)")
     g.add_argument("--parallel", "-np", type=_positive_int, default=None,
-                   help="requests decoded together (default 2 on a CPU, 4 on a GPU); the KV memory is reserved for "
-                        "this many sequences of --context-length, or as --kv-memory-mib says")
+                   help="requests decoded together (default 4; on a CPU 2 where host memory is short); the KV "
+                        "memory is reserved for this many sequences of --context-length, or as --kv-memory-mib says")
     g.add_argument("--kv-memory-mib", type=_positive_int, default=None,
                    help="KV memory reserved at load, shared by the sequences in blocks (default: --parallel "
                         "sequences of --context-length)")

@@ -126,7 +126,8 @@ class Requests:
     def step(self) -> None:
         """One scheduler step, then each request's new text; ``done`` for those that ended."""
         for rid, run in self.active.items():
-            if rid in self.cancelled:
+            if rid in self.cancelled and not run.seq.done:
+                log.info("request %s stopped: %s", rid, run.seq.progress())
                 run.seq.cancel("cancelled")
         scheduler = self.engine.scheduler
         try:

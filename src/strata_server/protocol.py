@@ -1,10 +1,13 @@
 """Messages between the supervisor and the engine process: one JSON object a line.
 
+Several requests may be in flight at once (up to the engine's ``parallel``);
+their events interleave, each naming its request.
+
 Supervisor to engine (the engine's stdin):
     {"op": "generate", "id": N, "kind": "chat", "messages": [...], "sampling": {...}, "cache_scope": "..."}
     {"op": "generate", "id": N, "kind": "completion", "prompt": "..." | [ids], "sampling": {...},
      "cache_scope": "..."}     (cache_scope: requests share cached prefixes only within one scope)
-    {"op": "cancel", "id": N}          stop request N at its next token
+    {"op": "cancel", "id": N}          stop request N at the engine's next step
     {"op": "ping", "seq": N}           answered with "pong" even while generating
     {"op": "shutdown"}
 
@@ -14,7 +17,8 @@ engine's fd 1 is pointed at stderr so a stray print cannot corrupt a line):
     {"ev": "pong", "seq": N}
     {"ev": "piece", "id": N, "text": "..."}
     {"ev": "done", "id": N, "finish_reason": "stop" | "length" | "cancelled",
-     "prompt_tokens": n, "completion_tokens": n, "cached_tokens": n, "stats": {...}}
+     "prompt_tokens": n, "completion_tokens": n, "cached_tokens": n, "stats": {...}, "scheduler": {...}}
+    {"ev": "state", "scheduler": {...}, "slots": [...]}   after steps (at most every 0.25 s while busy)
     {"ev": "error", "id": N, "status": 400, "type": "...", "code": "...", "message": "..."}
     {"ev": "fatal", "message": "..."}  the engine could not start; it exits next
 """

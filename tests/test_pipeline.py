@@ -14,8 +14,11 @@ from strata_runtime.pipeline import Pipeline, SplitError
 
 @pytest.fixture(scope="module")
 def split(model_file):
+    # parallel=1: one conversation on the device at a time, so alternating
+    # prompts park and restore through the stages.
     return strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, devices=["cpu", "cpu"],
-                               layer_split=[9], conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
+                               layer_split=[9], conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32,
+                               parallel=1)
 
 
 def test_two_stages_give_the_logits_and_greedy_tokens_of_one(engine, split, reference_float32):
@@ -39,6 +42,17 @@ def test_the_stages_park_and_restore_conversations_like_one(engine, split):
             .generate(p, max_tokens=4, temperature=0).tokens for p in order]
     assert [w.tokens for w in warm] == cold
     assert split.stats()["restored"] >= 1 and any(w.cached_tokens > 20 for w in warm[2:])
+
+
+def test_a_split_decodes_sequences_together_like_one_stage(engine, model_file):
+    """A batch of sequences through the stages (each stage's layers read
+    their own blocks of the pool) gives one stage's greedy tokens."""
+    split = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512,
+                                devices=["cpu", "cpu"], layer_split=[9], parallel=3, conversation_cache_mib=0)
+    prompts = ["The printing press came to Venice in", "Bread needs flour, water and", "The three largest rivers are"]
+    together = split.generate_many(prompts, max_tokens=6, temperature=0)
+    assert split.scheduler.peak_running == 3
+    assert [t.tokens for t in together] == [engine.generate(p, max_tokens=6, temperature=0).tokens for p in prompts]
 
 
 @pytest.mark.parametrize("options, message", [

@@ -36,7 +36,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the fastest path whose accuracy holds; float32: the exact path (compute_path.py)
     device: str = "cpu"  # "cuda" / "cuda:N": weights stay as GGUF blocks, matmuls run in Triton
     kv: str = "f16"  # KV cache format: f16 (float32 storage on the CPU, bfloat16 with dtype=bfloat16), int8, k8v4
-    context_length: int = 4096  # tokens of KV storage for the live sequence (capped by the model's)
+    context_length: int = 4096  # tokens one sequence can hold (capped by the model's)
     parallel: int | None = None  # sequences decoded together; None: 4 (on a CPU, 2 where host memory is short)
     kv_memory_mib: int | None = None  # the KV pool for them; None: `parallel` sequences of context_length
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
@@ -285,7 +285,8 @@ class Engine:
 
     def logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits ``[len(tokens), vocab]`` (float32) from an empty
-        state: row ``i`` predicts token ``i + 1``. The live sequence is untouched."""
+        state: row ``i`` predicts token ``i + 1``. It runs on a cache of its
+        own: no sequence of the scheduler is touched."""
         tokens = self._check_tokens(tokens)
         cache = self.new_cache(len(tokens))
         with torch.inference_mode():

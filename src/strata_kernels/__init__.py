@@ -12,7 +12,7 @@ from .formats import BlockFormat, block_format
 from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecutive
 from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
-from .reference import embedding_rows, slot_runs
+from .reference import embedding_rows
 
 __all__ = [
     "KV_FORMATS",
@@ -29,5 +29,4 @@ __all__ = [
     "dequantize",
     "embedding_rows",
     "qmatmul",
-    "slot_runs",
 ]

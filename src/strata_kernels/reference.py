@@ -460,19 +460,6 @@ def kv_dequantize(store, slots: torch.Tensor | slice) -> tuple[torch.Tensor, tor
     return k, v
 
 
-def slot_runs(first: int, end: int, capacity: int, limit: int | None = None) -> list[tuple[int, int, int]]:
-    """``(first position, first slot, count)`` runs covering positions
-    ``first..end-1`` of a ring of ``capacity`` slots (slot = position mod
-    capacity), each contiguous in the ring and at most ``limit`` long."""
-    runs, pos = [], first
-    while pos < end:
-        slot = pos % capacity
-        n = min(end - pos, capacity - slot, limit or end)
-        runs.append((pos, slot, n))
-        pos += n
-    return runs
-
-
 def attention(q: torch.Tensor, store, start: int, window: int | None, scale: float,
               chunk: int = 1024, tables=None) -> torch.Tensor:
     """Causal grouped-query attention of queries ``q`` ``[T, H, D]`` at

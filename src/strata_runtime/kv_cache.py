@@ -356,7 +356,7 @@ class KVCache:
 
     def bytes_per_token(self) -> int:
         """What one more token of context costs, all layers, scales included."""
-        return sum(s.bytes_per_slot() for s in self.stores)
+        return self.pool.bytes_per_token()
 
     # --- export / import ------------------------------------------------------
 

@@ -56,6 +56,12 @@ def _check(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     actual = qmatmul(x, qt, backend="cpu")
     assert actual.shape == (x.shape[0], qt.rows) and actual.dtype == x.dtype
     tol = matmul_tolerance(x, w, x.dtype)
+    if x.shape[0] <= CPU_GEMV_MAX_M:
+        # The GEMV rounds x to 16-bit codes per 32 columns: each value moves by
+        # at most half a code, 2^-16 of its group's largest (the float32 bound
+        # above covers that only once K is a few hundred).
+        amax = x.double().abs().reshape(x.shape[0], -1, 32).amax(-1)
+        tol = tol + 2.0**-16 * amax @ w.double().abs().reshape(w.shape[0], -1, 32).sum(-1).T
     bad = (actual.double() - expected).abs() > tol
     assert not bad.any(), report_mismatch(actual, expected.to(actual.dtype), atol=float(tol.max()))
     return actual
@@ -75,9 +81,8 @@ def test_qmatmul_matches_float64(qtype, m):
 @pytest.mark.parametrize("m", [1, 5, CPU_GEMV_MAX_M, 33])
 def test_qmatmul_bfloat16_activations(qtype, m):
     """bfloat16 in, bfloat16 out, float32 accumulation: within the output's
-    rounding of the float64 product of the same bfloat16 inputs. The GEMV's
-    bf16 dot-product loop (codes of up to 7 bits, on CPUs with AVX512_BF16)
-    also lands within one bfloat16 step of its float32 loop on the same values."""
+    rounding of the float64 product of the same bfloat16 inputs, and the GEMV
+    within one bfloat16 step of its float32 result on the same values."""
     qt = random_quant_tensor(qtype, 9, _blocks_per_row(qtype, 512), seed=7)
     x = torch.randn(m, qt.cols, generator=torch.Generator().manual_seed(0)).bfloat16()
     actual = _check(x, qt)
@@ -157,6 +162,34 @@ def test_cpu_backend_refuses_cuda_tensors():
     qt = random_quant_tensor(T.Q8_0, 4, 2, 0).to("cuda")
     with pytest.raises(ValueError, match="backend='cpu' runs on CPU tensors"):
         qmatmul(torch.randn(1, 64, device="cuda"), qt, backend="cpu")
+
+
+# --- the GEMV's groups of steps ----------------------------------------------------
+
+@pytest.mark.parametrize("qtype", CPU_TYPES, ids=lambda t: t.name)
+def test_gemv_every_width_past_the_groups(qtype):
+    """The SIMD builds read 4 (AVX-512) or 2 (AVX2) 32-weight steps at a time
+    and the steps past the last whole group one by one: K of every remainder
+    modulo 4 steps (32-weight blocks), and one to three super-blocks, against
+    float64, for 1 to 8 rows of x."""
+    block = block_format(qtype).block_size
+    for blocks in ([1, 2, 3, 4, 5, 6, 7, 9, 11] if block == 32 else [1, 2, 3]):
+        qt = random_quant_tensor(qtype, 7, blocks, seed=blocks)
+        for m in (1, 2, 5, CPU_GEMV_MAX_M):
+            _check(torch.randn(m, qt.cols, generator=torch.Generator().manual_seed(m + blocks)), qt)
+
+
+@pytest.mark.parametrize("qtype", CPU_TYPES, ids=lambda t: t.name)
+def test_a_row_of_x_gives_the_same_bits_whatever_shares_its_call(qtype):
+    """Each row of x is reduced in the same order whatever the other rows:
+    a sequence decoded in a batch gets the bits it gets alone (the default
+    path's batched decode rests on this)."""
+    block = block_format(qtype).block_size
+    qt = random_quant_tensor(qtype, 11, 7 if block == 32 else 3, seed=5)
+    x = torch.randn(CPU_GEMV_MAX_M, qt.cols, generator=torch.Generator().manual_seed(6)) * 3
+    alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], qt) for i in range(x.shape[0])])
+    for m in range(2, CPU_GEMV_MAX_M + 1):
+        assert torch.equal(cpu_kernels.gemv(x[:m], qt), alone[:m]), m
 
 
 # --- several weights in one call ------------------------------------------------

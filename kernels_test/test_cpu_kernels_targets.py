@@ -1,7 +1,8 @@
 """The CPU kernels' other ISA variants: the best one this CPU runs serves
-the rest of the suite, so the AVX2 build (most laptops and older servers)
-and the plain C++ one (any CPU) are built here too and the CPU kernel tests
-run against each, chosen with ``STRATA_CPU_ISA`` as a user would. The AVX2
+the rest of the suite, so the AVX-512 build without VNNI (Skylake-X), the
+AVX2 build (most laptops and older servers) and the plain C++ one (any CPU)
+are built here too, where this CPU runs them, and the CPU kernel tests run
+against each, chosen with ``STRATA_CPU_ISA`` as a user would. The AVX2
 run also repeats the default path's accuracy tests, since there ``auto``
 takes float32 activations. About two minutes per variant the first time,
 most of it the compile (then torch's cache)."""
@@ -22,10 +23,13 @@ KERNEL_TESTS = [str(HERE / "test_cpu_kernels.py"), str(HERE / "test_kv_kernels.p
 
 
 @pytest.mark.parametrize("isa,simd,extra", [
+    ("avx512", "avx512", []),
     ("avx2", "avx2", [str(HERE.parent / "tests" / "test_fast_path.py")]),
     ("generic", "scalar", []),
 ])
 def test_the_kernel_tests_pass_for_another_isa(isa, simd, extra):
+    if isa == cpu_kernels.isa():
+        pytest.skip(f"{isa} is this CPU's best variant: the rest of the suite runs it")
     if isa not in cpu_kernels.supported_isas():
         pytest.skip(f"this CPU cannot run the {isa} variant (it runs {', '.join(cpu_kernels.supported_isas())})")
     env = {**os.environ, "STRATA_CPU_ISA": isa}
@@ -45,7 +49,7 @@ def test_an_isa_this_cpu_lacks_is_refused_with_the_ones_it_has():
     env = {**os.environ, "STRATA_CPU_ISA": "avx9"}
     probe = subprocess.run([sys.executable, "-c", "from strata_kernels import cpu_kernels as c; c.isa()"],
                            env=env, capture_output=True, text=True, timeout=120)
-    assert probe.returncode != 0 and "choose one of avx512, avx2, generic" in probe.stderr
+    assert probe.returncode != 0 and "choose one of avx512vnni, avx512, avx2, generic" in probe.stderr
 
 
 def test_torchs_own_avx2_switch_caps_the_variant_too():

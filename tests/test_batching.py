@@ -188,6 +188,26 @@ def test_kv_is_allocated_once_and_a_small_pool_preempts(smollm2_file, monkeypatc
             _check_greedy(w.tokens, logits, g.tokens)
 
 
+def test_a_preempted_sequence_is_parked_when_the_staging_pool_has_room(smollm2_file):
+    """The same small pool with a conversation cache: a preempted sequence is
+    parked to the host (counted as ``parked``, none recomputed) and resumes
+    from its parked state with the tokens of an unconstrained run."""
+    small = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=512, parallel=4,
+                                kv_memory_mib=10, conversation_cache_mib=64, min_free_mib=0)
+    roomy = strata_runtime.load(smollm2_file, dtype="float32", progress=False, context_length=512, parallel=4,
+                                conversation_cache_mib=0)
+    prompts = TEXTS[:6]
+    got = small.generate_many(prompts, max_tokens=48, temperature=0)
+    counters = small.scheduler.counters
+    assert counters["preemptions_parked"] >= 1 and counters["preemptions_recomputed"] == 0, dict(counters)
+    assert small.stats()["restored"] >= 1, small.stats()
+    want = roomy.generate_many(prompts, max_tokens=48, temperature=0)
+    for prompt, g, w in zip(prompts, got, want):
+        if g.tokens != w.tokens:
+            _, logits = _alone(roomy, roomy.tokenize(prompt), len(w.tokens))
+            _check_greedy(w.tokens, logits, g.tokens)
+
+
 def test_two_alternating_conversations_stay_on_the_device(smollm2_file):
     """The seed's case: two clients alternate two conversations with room
     for both (``parallel=2``): nothing is parked or restored, and each

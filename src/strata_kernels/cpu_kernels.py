@@ -7,7 +7,9 @@ One build per ISA variant, chosen at run time from what this CPU has
 (``/proc/cpuinfo``), not from the machine that built it, so that an
 installation or a cache moved between machines stays correct:
 
-- ``avx512``: AVX-512 F/BW/DQ/VL (Skylake-X, Ice Lake, Zen 4 and later);
+- ``avx512vnni``: AVX-512 F/BW/DQ/VL with VNNI (Cascade Lake, Ice Lake, Zen 4
+  and later): the GEMV's 16-bit products accumulate in one instruction;
+- ``avx512``: AVX-512 F/BW/DQ/VL (Skylake-X);
 - ``avx2``: AVX2, FMA and F16C (Haswell on, every Zen);
 - ``generic``: the compiler's default target, plain C++.
 
@@ -48,14 +50,15 @@ _SOURCES = [_CSRC / name for name in ("qdot_cpu.cpp", "dequant_cpu.cpp", "decode
                                                  "bindings.cpp")]
 
 # Variant -> (compiler flags, /proc/cpuinfo flags it needs), best first.
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"})
 ISA_VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
-    "avx512": (["-march=x86-64-v4", "-mtune=generic"],
-               frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"})),
+    "avx512vnni": (["-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"], _AVX512 | {"avx512_vnni"}),
+    "avx512": (["-march=x86-64-v4", "-mtune=generic"], _AVX512),
     "avx2": (["-march=haswell", "-mtune=generic"], frozenset({"avx2", "fma", "f16c"})),
     "generic": ([], frozenset()),
 }
 # torch's ATEN_CPU_CAPABILITY values -> the best variant they allow.
-_ATEN_CAP = {"default": "generic", "avx2": "avx2", "avx512": "avx512"}
+_ATEN_CAP = {"default": "generic", "avx2": "avx2", "avx512": "avx512vnni"}
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -118,7 +121,7 @@ def bf16_matmul() -> bool:
     keeps torch below it."""
     has = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
     capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_WITHOUT_BF16
-    return has and isa() == "avx512" and not capped
+    return has and isa().startswith("avx512") and not capped
 
 
 def _build(variant: str):

@@ -1,10 +1,10 @@
 // The GEMV by integer dot products: x quantized once per call to 16-bit
 // codes, one float scale per 32 columns; each weight block decoded to its
 // signed codes q (gguf_blocks.h) and multiplied with x's codes in integer
-// SIMD (AVX2 / AVX-512 vpmaddwd: 16-bit products summed in pairs into int32
-// lanes), then scaled in float32:
+// SIMD (vpmaddwd, or AVX512-VNNI's vpdpwssd: 16-bit products summed in
+// pairs into int32 lanes), then scaled in float32:
 //
-//     sum_k w[n,k] x[k] = sum_groups scale_g * dx_g * sum(q * xq) - minv_g * sum(x)
+//     sum_k w[n,k] x[k] = sum_steps scale_s * dx_s * sum(q * xq) - minv_g * sum(x)
 //
 // with sum(x) per scale group taken from x itself. Why 16 bits and not 8
 // (llama.cpp's Q8 activations): on the reference texts, 8-bit activations
@@ -12,6 +12,21 @@
 // the exact path at 93.8% and Gemma's mean KL at 0.026 (bar: 95%, 0.03);
 // 16-bit codes put the activations' error below bfloat16's, at one more
 // widening instruction per 16 weights.
+//
+// Groups of steps. A 32-weight step has its own scale, so summing its
+// products in one register and then scaling costs a conversion, a multiply
+// and an add per step and per row of x: with several rows of x (a batch of
+// sequences) those, not the weight reads, bounded the GEMV (Gemma's head:
+// 2.2 ms a row). So the SIMD builds take kGroupSteps steps at once (4 with
+// AVX-512, 2 with AVX2) and transpose their codes in registers: register r
+// holds codes 8r..8r+7 of every step of the group, each step in its own
+// 128-bit lane, and x's codes are stored in the same order once per call.
+// Then every int32 lane sums products of one step only, four registers
+// accumulate in integers, and one conversion and one multiply-add with a
+// vector of per-step scales finish the group for each row of x. Where K is
+// not a whole number of groups (32-weight block types only), the last group
+// is padded with zero codes. Without AVX2 each step is its own group, in
+// plain C++.
 //
 // Compiled once per ISA variant (see cpu_kernels.py): the intrinsics below
 // follow the -march of the build; the plain C++ branch serves any CPU.
@@ -50,136 +65,275 @@ inline __m256i signed_codes32(const uint8_t* block, int c) {
 }
 #endif
 
-// Float lanes that accumulate scale * (integer dot) per group of weights.
+// ---- groups of steps (see the header) ----
+#if defined(STRATA_CODES32)
+#if !defined(__FMA__) || !defined(__F16C__)
+#error "the AVX2 build of the GEMV needs FMA and F16C too (-march=haswell or later)"
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-using Acc = __m512;
-inline Acc acc_zero() { return _mm512_setzero_ps(); }
-inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
-inline Acc acc_add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
-// The codes of 32 weights, widened to 16 bits: decoded once, used by every row of x.
-struct Codes32 {
-  __m512i w;
-  explicit Codes32(__m256i q) : w(_mm512_cvtepi8_epi16(q)) {}
-};
-// acc + s_lo * dot(codes 0..15, x 0..15) + s_hi * dot(codes 16..31, x 16..31),
-// lane by lane (int32 lane i sums products 2i and 2i+1).
-template <bool kOneScale>
-inline Acc fma_dot(Acc acc, const Codes32& c, const int16_t* x, float s_lo, float s_hi) {
-  const __m512i p = _mm512_madd_epi16(c.w, _mm512_loadu_si512(x));
-  const __m512 s = kOneScale ? _mm512_set1_ps(s_lo)
-                                : _mm512_insertf32x8(_mm512_set1_ps(s_lo), _mm256_set1_ps(s_hi), 1);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
+constexpr int kGroupSteps = 4;
+using GroupCodes = __m512i;  // 32 codes: 8 of each of the 4 steps
+using GroupAcc = __m512;     // 4 float lanes per step
+inline GroupAcc group_zero() { return _mm512_setzero_ps(); }
+inline float group_sum(GroupAcc a) { return _mm512_reduce_add_ps(a); }
+inline GroupAcc group_load(const float* p) { return _mm512_loadu_ps(p); }
+inline GroupCodes codes_load(const int16_t* p) { return _mm512_loadu_si512(p); }
+// Register r holds codes 8r..8r+7 of step i in 128-bit lane i, widened to 16 bits.
+inline void transpose_steps(const __m256i* s, GroupCodes* out) {
+  const __m256i a = _mm256_unpacklo_epi64(s[0], s[1]);  // s0 q0, s1 q0 | s0 q2, s1 q2 (q: 8 codes)
+  const __m256i b = _mm256_unpackhi_epi64(s[0], s[1]);  // s0 q1, s1 q1 | s0 q3, s1 q3
+  const __m256i c = _mm256_unpacklo_epi64(s[2], s[3]);
+  const __m256i d = _mm256_unpackhi_epi64(s[2], s[3]);
+  out[0] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x20));
+  out[1] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(b, d, 0x20));
+  out[2] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x31));
+  out[3] = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(b, d, 0x31));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-using Acc = __m256;
-inline Acc acc_zero() { return _mm256_setzero_ps(); }
-inline Acc acc_add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
-inline float acc_sum(Acc a) {
+// acc + the pairwise products of a and b, in int32 lanes.
+inline __m512i dot_add(__m512i acc, GroupCodes a, GroupCodes b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+inline __m512i dot_first(GroupCodes a, GroupCodes b) { return _mm512_madd_epi16(a, b); }
+inline GroupAcc group_fma(__m512i dots, GroupAcc scale, GroupAcc dx, GroupAcc acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, dx), acc);
+}
+// Each of the steps' scales s[i] in lanes 4i..4i+3; with two scales per step
+// (16 weights per scale), the first (even) or second (odd) of each pair.
+inline GroupAcc spread_scales(__m128 s) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(s));
+}
+inline GroupAcc spread_pairs(const float* s, bool odd) {
+  const __m512 v = _mm512_castps256_ps512(_mm256_loadu_ps(s));
+  return odd ? _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1), v)
+             : _mm512_permutexvar_ps(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0), v);
+}
+#else  // AVX2
+constexpr int kGroupSteps = 2;
+using GroupCodes = __m256i;
+using GroupAcc = __m256;
+inline GroupAcc group_zero() { return _mm256_setzero_ps(); }
+inline float group_sum(GroupAcc a) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   r = _mm_hadd_ps(r, r);
   r = _mm_hadd_ps(r, r);
   return _mm_cvtss_f32(r);
 }
-struct Codes32 {
-  __m256i lo, hi;
-  explicit Codes32(__m256i q)
-      : lo(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q))), hi(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1))) {}
-};
-template <bool kOneScale>
-inline Acc fma_dot(Acc acc, const Codes32& c, const int16_t* x, float s_lo, float s_hi) {
-  const __m256i plo = _mm256_madd_epi16(c.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  const __m256i phi = _mm256_madd_epi16(c.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-  if (kOneScale) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), _mm256_set1_ps(s_lo), acc);
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(s_lo), acc);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(s_hi), acc);
+inline GroupAcc group_load(const float* p) { return _mm256_loadu_ps(p); }
+inline GroupCodes codes_load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void transpose_steps(const __m256i* s, GroupCodes* out) {
+  const __m256i a = _mm256_unpacklo_epi64(s[0], s[1]);  // s0 q0, s1 q0 | s0 q2, s1 q2
+  const __m256i b = _mm256_unpackhi_epi64(s[0], s[1]);  // s0 q1, s1 q1 | s0 q3, s1 q3
+  out[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a));
+  out[1] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b));
+  out[2] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(a, 1));
+  out[3] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1));
 }
-#else
-using Acc = float;
-inline Acc acc_zero() { return 0.0f; }
-inline float acc_sum(Acc a) { return a; }
-inline Acc acc_add(Acc a, Acc b) { return a + b; }
-struct Codes32 {
-  const int8_t* q;
-  explicit Codes32(const int8_t* codes) : q(codes) {}
-};
-template <bool kOneScale>
-inline Acc fma_dot(Acc acc, const Codes32& c, const int16_t* x, float s_lo, float s_hi) {
-  int32_t lo = 0, hi = 0;  // integer sums: the compiler may vectorize these
-  for (int i = 0; i < 16; ++i) lo += int32_t(c.q[i]) * int32_t(x[i]);
-  for (int i = 16; i < 32; ++i) hi += int32_t(c.q[i]) * int32_t(x[i]);
-  return acc + float(lo) * s_lo + float(hi) * s_hi;
+inline __m256i dot_add(__m256i acc, GroupCodes a, GroupCodes b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline __m256i dot_first(GroupCodes a, GroupCodes b) { return _mm256_madd_epi16(a, b); }
+inline GroupAcc group_fma(__m256i dots, GroupAcc scale, GroupAcc dx, GroupAcc acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, dx), acc);
+}
+inline GroupAcc spread_scales(__m128 s) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+inline GroupAcc spread_pairs(const float* s, bool odd) {
+  const __m256 v = _mm256_castps128_ps256(_mm_loadu_ps(s));
+  return _mm256_permutevar8x32_ps(v, odd ? _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1) : _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
 }
 #endif
+// Two floats into lanes 0 and 1 (through __m128i, which may alias anything:
+// a double* load of a float array is undefined and GCC drops the stores).
+inline __m128 load_two(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+#else
+constexpr int kGroupSteps = 1;  // no SIMD: one step at a time, in plain C++
+#endif
+constexpr int kGroupCols = kGroupSteps * kXBlock;
 
-// Rows n0..n1-1 of one weight for M rows of x (codes xq, scales dx, group
-// sums xsum per T::SG columns); y [M, N] float32.
+inline uint16_t half_bits(const uint8_t* p) {  // a float16 as stored
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// x for one call, shared by every weight row: its codes in the groups'
+// transposed order (the last group padded with zero codes), their scales, and
+// sums of x. Invariant, for S = kGroupSteps, C = kGroupCols, G = ceil(K / C):
+// grouped[(m*G + g)*C + (r*S + i)*8 + j] * dx of that step ~= x[m, g*C + 32i + 8r + j]
+// (0 past K); dxv[(m*G + g)*4S + 4i + l] == dx of step i of group g (l < 4; 0
+// past K); xsum16/32[m*K/16 (/32) + i] = sum of x over those 16 (32) columns
+// (padded by 4 zeros, which a partial group's vector loads may reach).
+struct XCodes {
+  int64_t M = 0, K = 0, groups = 0;
+  std::vector<int16_t> grouped;
+  std::vector<float> dxv, xsum16, xsum32;
+};
+
+XCodes prepare_x(const std::vector<float>& x32, int64_t M, int64_t K) {
+  XCodes x;
+  x.M = M;
+  x.K = K;
+  std::vector<int16_t> codes(M * K);
+  std::vector<float> dx(M * K / kXBlock);
+  quantize_rows(x32.data(), M, K, codes.data(), dx.data());
+  x.xsum16 = group_sums(x32, M, K, 16);
+  x.xsum32 = group_sums(x32, M, K, 32);
+  x.xsum16.resize(x.xsum16.size() + 4, 0.0f);
+  x.xsum32.resize(x.xsum32.size() + 4, 0.0f);
+  const int64_t steps = K / kXBlock, G = (steps + kGroupSteps - 1) / kGroupSteps, C = kGroupCols;
+  x.groups = G;
+  x.grouped.assign(M * G * C, 0);
+  x.dxv.assign(M * G * 4 * kGroupSteps, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const int valid = int(std::min<int64_t>(kGroupSteps, steps - g * kGroupSteps));
+      const int16_t* from = codes.data() + m * K + g * C;
+      int16_t* to = x.grouped.data() + (m * G + g) * C;
+      for (int i = 0; i < valid; ++i) {
+        for (int r = 0; r < 4; ++r) std::memcpy(to + (r * kGroupSteps + i) * 8, from + i * kXBlock + r * 8, 16);
+        for (int l = 0; l < 4; ++l) x.dxv[(m * G + g) * 4 * kGroupSteps + 4 * i + l] = dx[m * steps + g * kGroupSteps + i];
+      }
+    }
+  return x;
+}
+
+#if defined(STRATA_CODES32)
+// Rows n0..n1-1 of one weight for M rows of x; y [M, N] float32.
 template <class T, int M>
-void qgemv_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const int16_t* xq, const float* dx,
-                const float* xsum, float* y, int64_t N, int64_t n0, int64_t n1) {
+void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
+  static_assert(T::B == kXBlock || T::B % kGroupCols == 0, "a group lies within a block, or covers whole blocks");
   constexpr int G = T::B / T::SG;
-  const int64_t blocks = K / T::B, groups = K / T::SG, xblocks = K / kXBlock;
-#ifdef STRATA_CODES32
+  const int64_t K = x.K, groups = K / T::SG, steps = K / kXBlock;
+  const float* xsum = T::SG == 16 ? x.xsum16.data() : x.xsum32.data();
   float scale[G], minv[G];
-#else
-  typename T::Block d;
-  const float* scale = d.scale;
-  const float* minv = d.minv;
-#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     if (n + kPrefetchRows < n1) prefetch(row + kPrefetchRows * row_bytes, row_bytes);
-    // Two accumulators per row of x, alternating by 32-weight step: each
-    // step's multiply-add waits on the one two steps back, not the last
-    // (one chain left the GEMV at a third of the read bandwidth, waiting on
-    // FMA latency).
-    Acc acc[2][M];
-    float acc_min[2][M];
-    for (int a = 0; a < 2; ++a)
-      for (int m = 0; m < M; ++m) {
-        acc[a][m] = acc_zero();
-        acc_min[a][m] = 0.0f;
-      }
-    auto block_step = [&](int64_t b, Acc* accs, float* mins) {
-      const uint8_t* block = row + b * T::BYTES;
-#ifdef STRATA_CODES32
-      T::scales(block, scale, minv);
-#else
-      T::decode(block, d);
-#endif
-      for (int c = 0; c < T::B; c += kXBlock) {
-#ifdef STRATA_CODES32
-        const Codes32 codes(signed_codes32<T>(block, c));
-#else
-        const Codes32 codes(d.q + c);
-#endif
-        const int64_t xb = (b * T::B + c) / kXBlock;
-        const float s_lo = scale[c / T::SG], s_hi = scale[(c + 16) / T::SG];
-        Acc* into = T::B == kXBlock ? accs : acc[(c / kXBlock) & 1];
-        for (int m = 0; m < M; ++m) {
-          const float dxm = dx[m * xblocks + xb];
-          into[m] = fma_dot<T::SG == 32>(into[m], codes, xq + m * K + xb * kXBlock, s_lo * dxm, s_hi * dxm);
+    GroupAcc acc[M];
+    __m128 mins[M];  // sum of minv * sum(x), subtracted at the end
+    for (int m = 0; m < M; ++m) {
+      acc[m] = group_zero();
+      mins[m] = _mm_setzero_ps();
+    }
+    // One group of `valid` steps (all but a last one of 32-weight blocks: kGroupSteps).
+    auto group = [&](int64_t g, int valid) {
+      const int64_t col = g * kGroupCols;
+      __m256i steps_codes[kGroupSteps];
+      GroupAcc lo, hi;  // per-step scales (hi: the second of each pair, SG == 16)
+      if constexpr (T::B == kXBlock) {  // one block per step
+        const uint8_t* first = row + (col / kXBlock) * T::BYTES;
+        // The float16 scales straight into a register (stored one by one and
+        // loaded as a vector, they stall on store forwarding); 0 past K.
+        auto halves = [&](int at) {
+          int h[4] = {0, 0, 0, 0};
+          for (int i = 0; i < kGroupSteps; ++i)
+            if (i < valid) h[i] = half_bits(first + i * T::BYTES + at);
+          return _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0));
+        };
+        for (int i = 0; i < kGroupSteps; ++i)
+          steps_codes[i] = i < valid ? signed_codes32<T>(first + i * T::BYTES, 0) : _mm256_setzero_si256();
+        lo = hi = spread_scales(halves(0));
+        if constexpr (T::HAS_MIN) {  // minv = -m, per block: the next kGroupSteps sums of x
+          const __m128 mv = halves(2);
+          for (int m = 0; m < M; ++m) {
+            const float* s = xsum + m * groups + col / kXBlock;
+            mins[m] = _mm_fnmadd_ps(mv, kGroupSteps == 4 ? _mm_loadu_ps(s) : load_two(s), mins[m]);
+          }
+        }
+      } else {  // several groups per block
+        const int64_t b = col / T::B;
+        const int c0 = int(col % T::B);
+        const uint8_t* block = row + b * T::BYTES;
+        if (c0 == 0) {
+          T::scales(block, scale, minv);
+          if constexpr (T::HAS_MIN)
+            for (int j = 0; j < G; j += 4) {
+              const __m128 mv = _mm_loadu_ps(minv + j);
+              for (int m = 0; m < M; ++m) mins[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(xsum + m * groups + b * G + j), mins[m]);
+            }
+        }
+        for (int i = 0; i < kGroupSteps; ++i) steps_codes[i] = signed_codes32<T>(block, c0 + kXBlock * i);
+        if constexpr (T::SG == 32) {
+          lo = hi = spread_scales(kGroupSteps == 4 ? _mm_loadu_ps(scale + c0 / 32) : load_two(scale + c0 / 32));
+        } else {
+          lo = spread_pairs(scale + c0 / 16, false);
+          hi = spread_pairs(scale + c0 / 16, true);
         }
       }
-      if constexpr (T::HAS_MIN) {
-        for (int g = 0; g < G; ++g)
-          for (int m = 0; m < M; ++m) mins[m] += minv[g] * xsum[m * groups + b * G + g];
+      GroupCodes cw[4];
+      transpose_steps(steps_codes, cw);
+      constexpr int W = kGroupCols / 4;  // codes per register
+      for (int m = 0; m < M; ++m) {
+        const int16_t* xg = x.grouped.data() + (m * x.groups + g) * kGroupCols;
+        const GroupAcc dxm = group_load(x.dxv.data() + (m * x.groups + g) * 4 * kGroupSteps);
+        if constexpr (T::SG == 32) {
+          auto p = dot_first(cw[0], codes_load(xg));
+          p = dot_add(p, cw[1], codes_load(xg + W));
+          p = dot_add(p, cw[2], codes_load(xg + 2 * W));
+          p = dot_add(p, cw[3], codes_load(xg + 3 * W));
+          acc[m] = group_fma(p, lo, dxm, acc[m]);
+        } else {  // registers 0, 1: codes 0..15 of each step; 2, 3: codes 16..31
+          const auto plo = dot_add(dot_first(cw[0], codes_load(xg)), cw[1], codes_load(xg + W));
+          const auto phi = dot_add(dot_first(cw[2], codes_load(xg + 2 * W)), cw[3], codes_load(xg + 3 * W));
+          acc[m] = group_fma(plo, lo, dxm, acc[m]);
+          acc[m] = group_fma(phi, hi, dxm, acc[m]);
+        }
       }
     };
-    if constexpr (T::B == kXBlock) {  // one step per block: alternate by block
-      int64_t b = 0;
-      for (; b + 1 < blocks; b += 2) {
-        block_step(b, acc[0], acc_min[0]);
-        block_step(b + 1, acc[1], acc_min[1]);
+    const int64_t whole = steps / kGroupSteps;
+    for (int64_t g = 0; g < whole; ++g) group(g, kGroupSteps);
+    if (whole < x.groups) group(whole, int(steps - whole * kGroupSteps));
+    for (int m = 0; m < M; ++m) {
+      float total = group_sum(acc[m]);
+      if constexpr (T::HAS_MIN) {
+        __m128 s = _mm_hadd_ps(mins[m], mins[m]);
+        s = _mm_hadd_ps(s, s);
+        total -= _mm_cvtss_f32(s);
       }
-      if (b < blocks) block_step(b, acc[0], acc_min[0]);
-    } else {  // several steps per block: alternate within it
-      for (int64_t b = 0; b < blocks; ++b) block_step(b, nullptr, acc_min[b & 1]);
+      y[m * N + n] = total;
     }
-    for (int m = 0; m < M; ++m)
-      y[m * N + n] = acc_sum(acc_add(acc[0][m], acc[1][m])) - (acc_min[0][m] + acc_min[1][m]);
   }
 }
+#else
+// No SIMD: each block decoded to codes in memory, one 32-weight step at a
+// time, the integer sums left to the compiler. (x.grouped is in natural
+// order here: one step per group.)
+template <class T, int M>
+void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, int64_t N, int64_t n0, int64_t n1) {
+  static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
+  constexpr int G = T::B / T::SG;
+  const int64_t K = x.K, blocks = K / T::B, groups = K / T::SG;
+  const float* xsum = T::SG == 16 ? x.xsum16.data() : x.xsum32.data();
+  typename T::Block d;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[M], mins[M];
+    for (int m = 0; m < M; ++m) acc[m] = mins[m] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      T::decode(row + b * T::BYTES, d);
+      for (int c = 0; c < T::B; c += kXBlock) {
+        const int64_t step = (b * T::B + c) / kXBlock;
+        for (int m = 0; m < M; ++m) {
+          const int16_t* xq = x.grouped.data() + (m * x.groups + step) * kXBlock;
+          int32_t lo = 0, hi = 0;
+          for (int i = 0; i < 16; ++i) lo += int32_t(d.q[c + i]) * int32_t(xq[i]);
+          for (int i = 16; i < 32; ++i) hi += int32_t(d.q[c + i]) * int32_t(xq[i]);
+          const float dxm = x.dxv[(m * x.groups + step) * 4];
+          acc[m] += float(lo) * (d.scale[c / T::SG] * dxm) + float(hi) * (d.scale[(c + 16) / T::SG] * dxm);
+        }
+      }
+      if constexpr (T::HAS_MIN)
+        for (int g = 0; g < G; ++g)
+          for (int m = 0; m < M; ++m) mins[m] += d.minv[g] * xsum[m * groups + b * G + g];
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] - mins[m];
+  }
+}
+#endif
 
 }  // namespace
 
@@ -200,10 +354,7 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < M * K; ++i) x32[i] = float(xb[i]);
   }
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> dx(M * K / kXBlock);
-  quantize_rows(x32.data(), M, K, xq.data(), dx.data());
-  const std::vector<float> xsum16 = group_sums(x32, M, K, 16), xsum32 = group_sums(x32, M, K, 32);
+  const XCodes xc = prepare_x(x32, M, K);
 
   struct Part {
     const uint8_t* w;
@@ -227,10 +378,9 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
       if (lo >= hi) continue;
       with_type(p.qtype, [&](auto t) {
         using T = decltype(t);
-        const float* xsum = T::SG == 16 ? xsum16.data() : xsum32.data();
         with_rows(int(M), [&](auto rows) {
-          qgemv_rows<T, decltype(rows)::value>(p.w, p.row_bytes, K, xq.data(), dx.data(), xsum,
-                                               p.y.data_ptr<float>(), p.N, lo - p.first, hi - p.first);
+          qgemv_rows<T, decltype(rows)::value>(p.w, p.row_bytes, xc, p.y.data_ptr<float>(), p.N, lo - p.first,
+                                               hi - p.first);
         });
       });
     }

@@ -197,8 +197,9 @@ SCATTERED = [[5, 2, 9, 0, 14, 7, 11, 3, 17, 20], [1, 12, 6, 19, 4, 15, 8, 21, 16
 def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype, window):
     """Prefill chunks and decode steps of three sequences sharing one store
     through block tables equal each sequence alone in its own ring, on every
-    backend; a batched decode step (``decode_attention``, one CPU kernel
-    call for all three) equals the three steps one by one."""
+    backend; a batched decode step (``decode_attention``: one CPU kernel
+    call, one Triton write and launch for all three) equals the three steps
+    one by one."""
     hkv, group, d, bs, chunk = 2, 4, 64, 16, 16
     lengths = [150, 97, 61]
     tables = [row[:4] if window else row for row in SCATTERED]
@@ -228,10 +229,19 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
     positions = torch.tensor([n - 1 for n in lengths])
     expected = torch.cat([write_and_attend(q[i:i + 1], last_k[i:i + 1], last_v[i:i + 1], alone[i], n - 1, window,
                                            d**-0.5, "torch") for i, n in enumerate(lengths)])
-    for backend in ("torch", "cpu"):
+    for backend in ("torch", "cpu", "triton"):
         got = decode_attention(q, last_k, last_v, shared, positions, window, d**-0.5,
                                BlockTables.of(tables, bs), backend)
         assert torch.allclose(got, expected, atol=2e-5), (backend, report_mismatch(got, expected, 2e-5))
+    # Triton's one launch with the context split 4 ways: the shorter sequences'
+    # last splits hold nothing and must weigh nothing in the merge.
+    from strata_kernels._triton_attention import attention_triton
+
+    rotated = q @ hadamard(d) if shared.rotated else q
+    got = attention_triton(rotated[:, None], shared, positions.tolist(), window, d**-0.5, BlockTables.of(tables, bs),
+                           splits=4, block_m=16, block_n=16, num_warps=4)[:, 0]
+    got = got @ hadamard(d) if shared.rotated else got
+    assert torch.allclose(got, expected, atol=2e-5), report_mismatch(got, expected, 2e-5)
     for i, n in enumerate(lengths):  # every position each sequence keeps reads back as written
         first = 0 if window is None else max(0, n - 4 * bs)
         a = kv_read(shared, torch.arange(first, n), seq_tables[i])

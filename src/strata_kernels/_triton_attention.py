@@ -31,31 +31,39 @@ def _kv_tile(data, scales, levels, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.
 
 @triton.jit
 def _attention_kernel(
-    q, k, v, k_scales, v_scales, levels, table, part_acc, part_ml,
-    T, HKV, G, start, capacity, block_size, n_slots, slots_per_split, window, scale,
+    q, k, v, k_scales, v_scales, levels, table, table_lengths, starts, part_acc, part_ml,
+    T, HKV, G, table_stride, block_size, splits, slots_per_split, window, scale,
     D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # q:        [T, HKV * G, D] float queries at positions start..start+T-1 (contiguous)
+    # q:        [B, T, HKV * G, D] float queries; sequence b's at positions starts[b]..starts[b]+T-1
     # k, v:     cache of one layer, [slots, HKV, D] (f16/int8) or [slots, HKV, D // 2] (k8v4 values)
-    # table:    [capacity // block_size] int32, the sequence's blocks: position p lives in its ring's
-    #           logical slot p % capacity, which is store slot table[ls // block_size] * block_size
+    # table:    [B, table_stride] int32, each sequence's blocks (table_lengths[b] of them): its
+    #           position p lives in its ring's logical slot p % capacity (capacity = table_lengths[b]
+    #           * block_size), which is store slot table[b, ls // block_size] * block_size
     #           + ls % block_size; n_slots = min(capacity, start + T) logical slots are filled
     # levels:   [16] float32 IQ4_NL levels the k8v4 value codes index
-    # part_acc: [splits, HKV, T * G, D] float32 unnormalised outputs of each split
-    # part_ml:  [splits, HKV, T * G, 2] float32 running max and sum of each split
-    # grid:     (cdiv(T * G, BLOCK_M), HKV, splits); rows r = t * G + g are (query token, head in group)
-    #           pairs of one KV head; split s scans logical slots [s * slots_per_split, (s+1) * slots_per_split)
+    # part_acc: [B, splits, HKV, T * G, D] float32 unnormalised outputs of each split
+    # part_ml:  [B, splits, HKV, T * G, 2] float32 running max and sum of each split
+    # grid:     (cdiv(T * G, BLOCK_M), HKV, B * splits); rows r = t * G + g are (query token, head in
+    #           group) pairs of one KV head; split s scans logical slots [s * slots_per_split,
+    #           (s+1) * slots_per_split) of its sequence (none, past a shorter sequence's end)
     pr = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
-    sp = tl.program_id(2).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64) // splits
+    sp = tl.program_id(2).to(tl.int64) % splits
+    start = tl.load(starts + seq).to(tl.int64)
+    capacity = tl.load(table_lengths + seq).to(tl.int64) * block_size
+    blocks = table + seq * table_stride
     r = pr * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     row_ok = r < T * G
     t = r // G
     head = kvh * G + r % G
     d = tl.arange(0, D).to(tl.int64)
-    qs = tl.load(q + (t * HKV * G + head)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qs = tl.load(q + ((seq * T + t) * HKV * G + head)[:, None] * D + d[None, :], mask=row_ok[:, None],
+                 other=0.0).to(tl.float32)
     q_pos = start + t
     end = start + T
+    n_slots = tl.minimum(capacity, end)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -66,7 +74,7 @@ def _attention_kernel(
         slot_ok = slots < hi
         safe = tl.where(slot_ok, slots, 0)
         k_pos = (end - 1) - ((end - 1 - safe) % capacity)
-        physical = tl.load(table + safe // block_size).to(tl.int64) * block_size + safe % block_size
+        physical = tl.load(blocks + safe // block_size).to(tl.int64) * block_size + safe % block_size
         keys = _kv_tile(k, k_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, False)
         s = tl.dot(qs, tl.trans(keys), input_precision="ieee") * scale
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
@@ -80,35 +88,39 @@ def _attention_kernel(
         values = _kv_tile(v, v_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, True)
         acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
         m_i = m_new
-    out_row = (sp * HKV + kvh) * T * G + r
+    out_row = ((seq * splits + sp) * HKV + kvh) * T * G + r
     tl.store(part_acc + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml + out_row * 2, m_i, mask=row_ok)
     tl.store(part_ml + out_row * 2 + 1, l_i, mask=row_ok)
 
 
-def attention_triton(q: torch.Tensor, store: KVStore, start: int, window: int | None, scale: float,
+def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window: int | None, scale: float,
                      tables: BlockTables, splits: int, block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
-    t, h, d = q.shape
+    """``q`` ``[B, T, H, D]``: sequence ``b``'s queries at positions
+    ``starts[b]..``, over its blocks (row ``b`` of ``tables``), all in one
+    launch. Float32 ``[B, T, H, D]``."""
+    b, t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
-    capacity = tables.capacity(0)
-    n_slots = min(capacity, start + t)
+    n_slots = max(min(tables.capacity(i), s + t) for i, s in enumerate(starts))
     per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n) * block_n
     splits = triton.cdiv(n_slots, per_split)
-    part_acc = torch.empty((splits, hkv, t * g, d), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((splits, hkv, t * g, 2), dtype=torch.float32, device=q.device)
+    part_acc = torch.empty((b, splits, hkv, t * g, d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b, splits, hkv, t * g, 2), dtype=torch.float32, device=q.device)
     dummy = torch.zeros(1, dtype=torch.float16, device=q.device)
-    _attention_kernel[(triton.cdiv(t * g, block_m), hkv, splits)](
+    table = tables.tables.to(q.device)
+    _attention_kernel[(triton.cdiv(t * g, block_m), hkv, b * splits)](
         q.contiguous(), store.k, store.v,
         store.k_scales if store.k_scales is not None else dummy,
         store.v_scales if store.v_scales is not None else dummy,
-        lookup_table("iq4nl_values", q.device), tables.tables[0].to(q.device), part_acc, part_ml,
-        t, hkv, g, start, capacity, tables.block_size, n_slots, per_split, window or 0, scale,
+        lookup_table("iq4nl_values", q.device), table, tables.lengths.to(q.device),
+        torch.tensor(starts, dtype=torch.int64, device=q.device), part_acc, part_ml,
+        t, hkv, g, table.shape[1], tables.block_size, splits, per_split, window or 0, scale,
         D=d, FMT=FORMAT_CODES[store.fmt], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    # Log-sum-exp merge of the splits.
+    # Log-sum-exp merge of the splits (a split past a sequence's end holds m = -inf, l = 0: weight 0).
     m, l = part_ml[..., 0:1], part_ml[..., 1:2]
-    m_max = m.amax(0, keepdim=True)
+    m_max = m.amax(1, keepdim=True)
     weight = torch.exp(torch.where(torch.isinf(m), float("-inf"), m - m_max))
-    out = (part_acc * weight).sum(0) / (l * weight).sum(0)
-    return out.reshape(hkv, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)
+    out = (part_acc * weight).sum(1) / (l * weight).sum(1)
+    return out.reshape(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_quant import KVStore, hadamard, kv_write_consecutive
+from .kv_quant import KVStore, hadamard, kv_write_consecutive, kv_write_slots
 from .launch import attention_settings, resolve_backend
 from .paging import BlockTables
 
@@ -52,7 +52,8 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
         from ._triton_attention import attention_triton
 
         s = attention_settings(t, h // store.kv_heads, min(tables.capacity(0), start + t), d)
-        out = attention_triton(q, store, start, window, scale, tables, s.splits, s.block_m, s.block_n, s.num_warps)
+        out = attention_triton(q[None], store, [start], window, scale, tables, s.splits, s.block_m, s.block_n,
+                               s.num_warps)[0]
     return out @ hadamard(d, out.device) if store.rotated else out
 
 
@@ -129,7 +130,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     CPU) through row ``b`` of ``tables``, then its one query ``q[b]``
     ``[B, H, D]`` attending over its positions up to there. Float32
     ``[B, H, D]``. The CPU kernels take the whole batch in one call (its
-    chunks shared among the threads); other backends take one sequence at a time."""
+    chunks shared among the threads), Triton one write and one launch (a
+    program per query tile, KV head, sequence and split of its context); the
+    torch reference one sequence at a time."""
     b, h, d = q.shape
     if len(tables) != b or positions.shape != (b,) or keys.shape != (b, store.kv_heads, store.head_dim):
         raise ValueError(f"a decode step of {b} sequences needs {b} block tables, positions [{b}] and keys "
@@ -141,5 +144,18 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return cpu_kernels.attention_decode(q.float(), store.k, store.v, positions, window, scale, tables,
                                             keys, values)
     starts = positions.tolist()
+    if resolve_backend(q.device, backend) == "triton":
+        from ._triton_attention import attention_triton
+
+        slots = torch.tensor([tables.slot(i, p) for i, p in enumerate(starts)], dtype=torch.long,
+                             device=store.k.device)
+        kv_write_slots(store, slots, keys, values, backend)
+        if store.rotated:
+            q = q.float() @ hadamard(d, q.device)
+        s = attention_settings(1, h // store.kv_heads, max(min(tables.capacity(i), p + 1)
+                                                           for i, p in enumerate(starts)), d)
+        out = attention_triton(q[:, None], store, starts, window, scale, tables, s.splits, s.block_m, s.block_n,
+                               s.num_warps)[:, 0]
+        return out @ hadamard(d, out.device) if store.rotated else out
     return torch.cat([write_and_attend(q[i:i + 1], keys[i:i + 1], values[i:i + 1], store, starts[i], window, scale,
                                        backend, tables.one(i)) for i in range(b)])

@@ -168,7 +168,15 @@ def kv_write(store: KVStore, positions: torch.Tensor, keys: torch.Tensor, values
     _check_rows(store, keys, values)
     if positions.shape != (keys.shape[0],):
         raise ValueError(f"positions must be [{keys.shape[0]}], got {tuple(positions.shape)}")
-    slots = _slots(store, positions, tables)
+    kv_write_slots(store, _slots(store, positions, tables), keys, values, backend)
+
+
+def kv_write_slots(store: KVStore, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   backend: str = "auto") -> None:
+    """Quantize ``keys``/``values`` ``[T, Hkv, D]`` into store slots ``slots``
+    (int64 ``[T]``, distinct, on the store's device), in place: rows of any
+    sequences (a decode step writes one row per sequence)."""
+    _check_rows(store, keys, values)
     if store.rotated:
         h = hadamard(store.head_dim, keys.device)
         keys, values = keys.float() @ h, values.float() @ h

@@ -1,5 +1,5 @@
-"""Tiny random-weight GGUFs of the dense families (llama, qwen2, qwen3), written
-by the tests, and HF ``transformers`` (float32, loading the same file) as the
+"""Tiny random-weight GGUFs of the dense families (llama, qwen2, qwen3) and of
+Qwen3-MoE (qwen3moe), written by the tests, and HF ``transformers`` (float32, loading the same file) as the
 independent implementation they are compared with."""
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class Shape:
     head_dim: int = 16
     ffn: int = 96
     tied: bool = True
+    experts: int = 0  # qwen3moe: experts per layer,
+    experts_per_token: int = 2  # of which each token uses this many,
+    expert_ffn: int = 32  # each a gated MLP this wide
 
 
 def bpe_vocabulary():
@@ -43,6 +46,25 @@ def bpe_vocabulary():
     tokens = [t for t, _ in sorted(hf.get_vocab().items(), key=lambda kv: kv[1])]
     merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(hf.to_str())["model"]["merges"]]
     return tokens, merges
+
+
+# K-quant super-blocks: (bytes, offset of d, offset of dmin or None, std of a
+# weight in units of d for random codes and scales; dmin set to center them).
+K_QUANT_SPREAD = {GGMLQuantizationType.Q4_K: (144, 0, 2, 143.0, 7.5),
+                  GGMLQuantizationType.Q5_K: (176, 0, 2, 285.0, 15.5),
+                  GGMLQuantizationType.Q6_K: (210, 208, None, 1350.0, 0.0)}
+
+
+def random_k_blocks(rng, qtype: GGMLQuantizationType, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Random codes and sub-block scales of a K-quant tensor of logical
+    ``shape``, with the super-block scales set so the weights spread about ``std``."""
+    size, at_d, at_dmin, spread, center = K_QUANT_SPREAD[qtype]
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, size), dtype=np.uint8)
+    d = np.float16(std / spread)
+    blocks[..., at_d:at_d + 2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    if at_dmin is not None:
+        blocks[..., at_dmin:at_dmin + 2] = np.frombuffer(np.float16(d * center).tobytes(), dtype=np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
 
 
 def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
@@ -71,6 +93,10 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(yarn[0])
         w.add_rope_scaling_orig_ctx_len(yarn[1])
+    if arch == "qwen3moe":
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_per_token)
+        w.add_expert_feed_forward_length(s.expert_ffn)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
@@ -81,8 +107,13 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
 
-    def weight(name: str, rows: int, cols: int, scale: float, quantized: bool = True) -> None:
-        array = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+    def weight(name: str, rows: int, cols: int, scale: float, quantized: bool = True, experts: int = 0) -> None:
+        shape = (experts, rows, cols) if experts else (rows, cols)
+        if quantized and qtype in K_QUANT_SPREAD:  # gguf-py cannot quantize these: random blocks
+            data = random_k_blocks(rng, qtype, shape, scale)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+            return
+        array = (rng.standard_normal(shape) * scale).astype(np.float32)
         if quantized and qtype != GGMLQuantizationType.F32:
             data = quantize(array, qtype)
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
@@ -104,10 +135,16 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
         if arch == "qwen2":
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 vector(p + name, n, 0.0, 0.5)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             vector(p + "attn_q_norm.weight", s.head_dim, 1.0, 0.1)
             vector(p + "attn_k_norm.weight", s.head_dim, 1.0, 0.1)
         vector(p + "ffn_norm.weight", s.hidden, 1.0, 0.1)
+        if arch == "qwen3moe":  # a decisive router (logits of a few units), then the experts
+            weight(p + "ffn_gate_inp.weight", s.experts, s.hidden, 3 * s.hidden ** -0.5, quantized=False)
+            weight(p + "ffn_gate_exps.weight", s.expert_ffn, s.hidden, s.hidden ** -0.5, experts=s.experts)
+            weight(p + "ffn_up_exps.weight", s.expert_ffn, s.hidden, s.hidden ** -0.5, experts=s.experts)
+            weight(p + "ffn_down_exps.weight", s.hidden, s.expert_ffn, s.expert_ffn ** -0.5, experts=s.experts)
+            continue
         weight(p + "ffn_gate.weight", s.ffn, s.hidden, s.hidden ** -0.5)
         weight(p + "ffn_up.weight", s.ffn, s.hidden, s.hidden ** -0.5)
         weight(p + "ffn_down.weight", s.hidden, s.ffn, s.ffn ** -0.5)
@@ -124,14 +161,16 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
 
 
 def transformers_logits(path: Path, token_ids: list[int], head_dim: int | None = None,
-                        rope_parameters: dict | None = None):
+                        rope_parameters: dict | None = None, moe: dict | None = None):
     """float32 logits ``[T, vocab]`` from HF transformers loading ``path``.
     ``head_dim``: given to the config (transformers' GGUF loader does not read
-    ``qwen3.attention.key_length``, and defaults it to 128)."""
+    ``qwen3.attention.key_length``, and defaults it to 128); ``moe``: config
+    fields its loader leaves at their defaults for qwen3moe (``moe_config``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     extra = {} if head_dim is None else {"head_dim": head_dim}
+    extra.update(moe or {})
     if rope_parameters is not None:  # transformers' GGUF loader reads no rope scaling for these families
         extra["rope_parameters"] = {"rope_theta": 10000.0, **rope_parameters}
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, **extra)
@@ -166,3 +205,30 @@ def fused_and_layer_by_layer_decode(engine, token_ids: list[int], steps: int = 6
                 block.fused_decode = f
 
     return run(True), run(False), sum(f is not None for f in fused)
+
+
+def moe_config(shape: Shape) -> dict:
+    """What transformers' GGUF loader does not read for qwen3moe: the experts'
+    width (it reads no ``expert_feed_forward_length``), and the top-k weights'
+    renormalization, which llama.cpp always applies for this architecture
+    but ``Qwen3MoeConfig`` defaults off."""
+    return {"moe_intermediate_size": shape.expert_ffn, "norm_topk_prob": True, "head_dim": shape.head_dim}
+
+
+def transformers_router_choices(path: Path, token_ids: list[int], shape: Shape) -> list[torch.Tensor]:
+    """Per layer, the experts transformers' router picks for each position, ``[T, k]`` sorted."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 **moe_config(shape))
+    seen: list[torch.Tensor] = []
+    # The router returns (logits, top-k weights, top-k expert ids).
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2].sort(-1).values))
+             for layer in model.model.layers]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([token_ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen

@@ -8,6 +8,7 @@ not installed).
 
 from .attention import attention, write_and_attend
 from .dequant import SUPPORTED_TYPES, dequantize
+from .experts import ExpertGroups, expert_matmul, expert_matrix
 from .formats import BlockFormat, block_format
 from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecutive
 from .qmatmul import qmatmul
@@ -23,6 +24,9 @@ __all__ = [
     "kv_write",
     "kv_write_consecutive",
     "BlockFormat",
+    "ExpertGroups",
+    "expert_matmul",
+    "expert_matrix",
     "QuantTensor",
     "SUPPORTED_TYPES",
     "block_format",

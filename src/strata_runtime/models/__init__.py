@@ -12,7 +12,7 @@ from importlib import import_module
 from ..errors import ModelFileError
 
 # general.architecture -> module under strata_runtime.models
-ARCHITECTURES = {"gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe"}
 
 
 def model_module(architecture: str, path=None):

@@ -157,8 +157,14 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(w(p + "attn_norm.weight"), args.rms_eps, backend)
         self.attn = Attention(args, variant, layer, w, backend, rope, inv_freq)
         self.ffn_norm = RMSNorm(w(p + "ffn_norm.weight"), args.rms_eps, backend)
-        self.mlp = GatedMLP(layer, w, backend, silu_mul)
-        self.fused_decode = FusedDecode.for_block(self.attn_norm, self.attn, self.ffn_norm, self.mlp, "silu")
+        self.mlp = self.feed_forward(args, layer, w, backend)
+        self.fused_decode = None
+        if isinstance(self.mlp, GatedMLP):
+            self.fused_decode = FusedDecode.for_block(self.attn_norm, self.attn, self.ffn_norm, self.mlp, "silu")
+
+    def feed_forward(self, args: ModelArgs, layer: int, w, backend: Backend) -> nn.Module:
+        """The layer's feed-forward: a SiLU-gated MLP (a subclass may route to experts)."""
+        return GatedMLP(layer, w, backend, silu_mul)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if self.fused_decode is not None:  # a decode step on the CPU kernels: two compiled calls, the same bits
@@ -171,6 +177,7 @@ class Block(nn.Module):
 
 class Model(DecoderModel):
     variant = Variant()
+    block = Block  # the layer class (qwen3moe's routes its feed-forward to experts)
 
     def __init__(self, args: ModelArgs, weights):
         super().__init__()
@@ -180,7 +187,7 @@ class Model(DecoderModel):
         if weights.has("rope_freqs.weight"):  # llama3's per-frequency scaling, read by every stage
             inv_freq = inv_freq / dequantize(weights.on_host("rope_freqs.weight")).reshape(-1)
         rope = RopeCache()
-        self.layers = nn.ModuleList(Block(args, self.variant, i, weights, rope, inv_freq)
+        self.layers = nn.ModuleList(self.block(args, self.variant, i, weights, rope, inv_freq)
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(weights("output_norm.weight"), args.rms_eps, weights.backend("output_norm.weight"))
         self.output = output_head(weights, self.embedding)

@@ -1,0 +1,71 @@
+"""Expert matmuls (``strata_kernels.experts``): a step's routed rows grouped
+by expert and multiplied by a 3-D GGUF expert tensor, each expert's matrix
+read where it receives rows, against a float64 product of the dequantized
+experts, on every backend (Triton through the interpreter) and every type
+the CPU kernels read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from helpers import random_quant_tensor, report_mismatch
+
+from strata_kernels import ExpertGroups, QuantTensor, cpu_kernels, dequantize, expert_matmul, expert_matrix
+
+CPU_TYPES = sorted(cpu_kernels.CPU_KERNEL_TYPES, key=lambda t: t.value)
+N_EXPERTS, N, BLOCKS = 5, 12, 2
+
+
+def _experts(qtype: T, seed: int) -> QuantTensor:
+    flat = random_quant_tensor(qtype, N_EXPERTS * N, BLOCKS, seed)
+    return QuantTensor(flat.data, qtype, (N_EXPERTS, N, flat.cols))
+
+
+def _expected(x: torch.Tensor, experts: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[T, k, N]`` float64: row t times the matrix of each of its k experts."""
+    dense = dequantize(experts, torch.float32).reshape(experts.shape).double()
+    return torch.einsum("tc,tknc->tkn", x.double(), dense[ids])
+
+
+ROUTINGS = {
+    "odd rows, experts 1 and 3 unused": torch.tensor([[0, 2], [4, 0], [2, 4], [0, 4], [2, 0]]),
+    "one expert takes every row": torch.tensor([[3], [3], [3], [3], [3], [3], [3], [3], [3], [3], [3]]),
+    "one row, top-4": torch.tensor([[4, 1, 3, 0]]),
+    "a prompt's 19 rows, top-2": torch.stack([torch.arange(19) % 5, (torch.arange(19) * 3 + 1) % 5], 1),
+}
+
+
+@pytest.mark.parametrize("qtype", CPU_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("routing", list(ROUTINGS), ids=lambda r: r.replace(" ", "-").replace(",", ""))
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_expert_matmul_equals_each_rows_experts(qtype, routing, backend):
+    ids = ROUTINGS[routing]
+    experts = _experts(qtype, seed=qtype.value)
+    x = torch.randn(ids.shape[0], experts.shape[2], generator=torch.Generator().manual_seed(ids.shape[0]))
+    groups = ExpertGroups.of(ids, N_EXPERTS)
+    assert set(groups.experts) == set(ids.unique().tolist())
+    got = expert_matmul(x[groups.rows], experts, groups, backend)
+    expected = _expected(x, experts, ids).reshape(-1, N)[groups.order]
+    tol = 1e-3 * expected.abs().max() + 1e-4
+    assert torch.allclose(got.double(), expected, atol=float(tol)), report_mismatch(got, expected.float(),
+                                                                                 float(tol))
+
+
+def test_groups_sort_pairs_by_expert_keeping_row_order():
+    ids = torch.tensor([[2, 0], [0, 2], [1, 2]])
+    g = ExpertGroups.of(ids, 4)
+    assert g.experts == (0, 1, 2) and g.offsets == (0, 2, 3, 6)
+    assert g.order.tolist() == [1, 2, 4, 0, 3, 5]  # flat pairs t * k + slot, by expert, rows in order
+    assert g.rows.tolist() == [0, 1, 2, 0, 1, 2]
+
+
+def test_bad_routing_is_clear():
+    experts = _experts(T.Q8_0, 1)
+    with pytest.raises(ValueError, match="routing names expert 7 of 5"):
+        ExpertGroups.of(torch.tensor([[7]]), N_EXPERTS)
+    with pytest.raises(ValueError, match="an expert tensor is 3-D"):
+        expert_matrix(expert_matrix(experts, 0), 0)
+    g = ExpertGroups.of(torch.tensor([[1, 2]]), N_EXPERTS)
+    with pytest.raises(ValueError, match=r"x must be \[2, K\]"):
+        expert_matmul(torch.randn(3, experts.shape[2]), experts, g)

@@ -1,0 +1,87 @@
+"""Mixture-of-experts matmuls over a 3-D GGUF expert tensor, reading only the
+experts a call routes rows to.
+
+A GGUF expert tensor (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``)
+holds one ``[N, K]`` matrix per expert: logical shape ``[E, N, K]``, stored
+as ``E * N`` rows of blocks, expert ``e``'s matrix in rows ``e*N ..
+(e+1)*N`` (``expert_matrix``: a view, nothing copied). A step's rows are
+routed to ``k`` experts each; ``ExpertGroups`` sorts those (row, slot)
+pairs by expert once per layer, and ``expert_matmul`` multiplies each
+expert's rows by its matrix: one GEMV (a decode step's few rows: each
+expert's weights read once for all its rows) or one GEMM (a prompt's)
+per expert that receives rows. No path touches an expert that receives
+none; the torch reference dequantizes the ones it uses, per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .qmatmul import qmatmul
+from .quant_tensor import QuantTensor
+
+
+def expert_matrix(experts: QuantTensor, e: int) -> QuantTensor:
+    """Expert ``e``'s ``[N, K]`` matrix of an ``[E, N, K]`` expert tensor (a view)."""
+    if len(experts.shape) != 3:
+        raise ValueError(f"an expert tensor is 3-D [experts, N, K], got shape {experts.shape}")
+    n_experts, n, k = experts.shape
+    if not 0 <= e < n_experts:
+        raise IndexError(f"expert {e} of {n_experts}")
+    return QuantTensor(experts.data[e * n:(e + 1) * n], experts.qtype, (n, k))
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A step's (row, slot) routing pairs, sorted by expert.
+
+    Invariant: for ``ids`` ``[T, k]`` (row ``t``'s ``k`` experts), pair ``j``
+    of the sorted order is flat pair ``order[j]`` (``= t * k + slot``) and
+    reads row ``rows[j] = order[j] // k``; ``experts`` are the experts that
+    receive pairs, ascending, and ``offsets`` (one longer) bound their runs:
+    pairs ``offsets[i]:offsets[i + 1]`` go to ``experts[i]``. Sorting is
+    stable, so within an expert the pairs keep row order.
+    """
+
+    order: torch.Tensor
+    rows: torch.Tensor
+    experts: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, n_experts: int) -> "ExpertGroups":
+        if ids.dim() != 2:
+            raise ValueError(f"routing ids must be [rows, k], got shape {tuple(ids.shape)}")
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_experts).tolist()  # the step's one host sync
+        if len(counts) > n_experts:
+            raise ValueError(f"routing names expert {len(counts) - 1} of {n_experts}")
+        experts, offsets = [], [0]
+        for e, c in enumerate(counts):
+            if c:
+                experts.append(e)
+                offsets.append(offsets[-1] + c)
+        return cls(order, order // ids.shape[1], tuple(experts), tuple(offsets))
+
+    @property
+    def pairs(self) -> int:
+        return self.offsets[-1]
+
+
+def expert_matmul(x: torch.Tensor, experts: QuantTensor, groups: ExpertGroups,
+                  backend: str = "auto") -> torch.Tensor:
+    """``y[j] = x[j] @ W[e].T`` for ``x`` ``[P, K]`` holding the pairs in
+    ``groups``' order (pair ``j`` routed to expert ``e``) and ``experts``
+    ``[E, N, K]``; ``[P, N]`` in ``x``'s dtype. ``backend`` as ``qmatmul``'s:
+    each expert that receives pairs is one ``qmatmul`` over its run of rows."""
+    if x.dim() != 2 or x.shape[0] != groups.pairs:
+        raise ValueError(f"x must be [{groups.pairs}, K] (one row per routed pair), got {tuple(x.shape)}")
+    n = experts.shape[1]
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    for i, e in enumerate(groups.experts):
+        lo, hi = groups.offsets[i], groups.offsets[i + 1]
+        out[lo:hi] = qmatmul(x[lo:hi], expert_matrix(experts, e), backend)
+    return out

@@ -19,7 +19,7 @@ import pytest
 from strata_kernels import cpu_kernels
 
 HERE = Path(__file__).resolve().parent
-KERNEL_TESTS = [str(HERE / "test_cpu_kernels.py"), str(HERE / "test_kv_kernels.py")]
+KERNEL_TESTS = [str(HERE / "test_cpu_kernels.py"), str(HERE / "test_kv_kernels.py"), str(HERE / "test_experts.py")]
 
 
 @pytest.mark.parametrize("isa,simd,extra", [

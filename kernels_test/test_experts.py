@@ -69,3 +69,20 @@ def test_bad_routing_is_clear():
     g = ExpertGroups.of(torch.tensor([[1, 2]]), N_EXPERTS)
     with pytest.raises(ValueError, match=r"x must be \[2, K\]"):
         expert_matmul(torch.randn(3, experts.shape[2]), experts, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cpu_call_for_all_experts_equals_one_gemv_each(dtype):
+    """``cpu_kernels.gemv_experts`` (every expert's few rows in one parallel
+    region) gives each run the bits of a GEMV call of its own."""
+    experts = _experts(T.Q5_0, seed=3)
+    x = torch.randn(13, experts.shape[2], generator=torch.Generator().manual_seed(1)).to(dtype)
+    runs = [(4, 0, 3), (0, 3, 8), (2, 11, 1), (4, 12, 1)]  # an expert may take two runs
+    y = cpu_kernels.gemv_experts(x, experts, runs)
+    for e, start, count in runs:
+        alone = cpu_kernels.gemv(x[start:start + count].float(), expert_matrix(experts, e))  # bf16 x: exact in f32
+        assert torch.equal(y[start:start + count], alone), (e, start, count)
+    with pytest.raises(RuntimeError, match="each expert takes 1 to 8 consecutive rows"):
+        cpu_kernels.gemv_experts(x, experts, [(0, 0, 9)])
+    with pytest.raises(RuntimeError, match="expert 5 of 5"):
+        cpu_kernels.gemv_experts(x, experts, [(5, 0, 1)])

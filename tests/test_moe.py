@@ -146,3 +146,80 @@ def test_greedy_tokens_alone_and_in_a_batch(tmp_path):
     for prompt, got in zip(prompts, together):
         alone = engine.generate(prompt, max_tokens=12, temperature=0)
         assert got.tokens == alone.tokens, prompt
+
+
+def test_served_by_strata_serve_with_its_experts_in_the_metrics(tmp_path):
+    """A real server on the MoE file: the official OpenAI client's streamed
+    completion equals the engine's own greedy text, and ``/metrics`` and
+    ``/props`` name the experts."""
+    import openai
+    from live_server import healthy_server
+
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", FAST, 8, Q.Q8_0)
+    want = _load(path, dtype="auto").generate(CORPUS[0][:30], max_tokens=8, temperature=0).text
+    with healthy_server("--model", str(path), "--context-length", "256", "--conversation-cache-mib", "0") as s:
+        client = openai.OpenAI(base_url=f"{s.base}/v1", api_key="none", max_retries=0, timeout=120)
+        pieces = [c.choices[0].text for c in client.completions.create(model="moe", prompt=CORPUS[0][:30],
+                                                                       max_tokens=8, temperature=0, stream=True)]
+        assert "".join(pieces) == want
+        m = s.metrics()
+        assert m["strata_model_experts"] == 8 and m["strata_model_experts_per_token"] == 2
+        assert s.http.get("/props").json()["experts"] == {"count": 8, "per_token": 2}
+
+
+def test_the_conversation_cache_parks_restores_and_skips_faults(tmp_path):
+    """Parked and restored like a dense model (experts keep no state: a
+    snapshot is the attention KV, and with no running state there is nothing
+    to checkpoint): a restored conversation continues as a cold run does,
+    and a failed copy is skipped and leaves the cache cold."""
+    from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Skipped
+    from strata_runtime.generation import forward_chunks
+    from strata_runtime.memory import MiB
+    from strata_runtime.staging import StagingPool
+    from strata_runtime.testing import inject_fault
+
+    engine = _load(write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", FAST, 9, Q.Q8_0))
+    cc = ConversationCache(StagingPool(16, MiB), slots=4)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, 300, (n,), generator=g).tolist() for n in (120, 80))
+
+    def run(cache, tokens):
+        with torch.inference_mode():
+            return forward_chunks(engine.model, cache, tokens[cache.length:], last_only=False)
+
+    cache = engine.new_cache(256)
+    run(cache, a[:64])
+    assert cc.save_checkpoint(cache, a[:64]).cause == "no_running_state"
+    run(cache, a)
+    assert isinstance(cc.park(cache, a), Parked)
+    cache.reset()
+    run(cache, b)
+    prompt = a + b[:10]
+    assert cc.restore(cache, b, prompt) == Restored(120, "parked")
+    warm = run(cache, prompt)
+    cold = run(engine.new_cache(256), prompt)[120:]
+    assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())
+    cc = ConversationCache(StagingPool(16, MiB), slots=4)
+    cache = engine.new_cache(256)
+    run(cache, a)
+    assert isinstance(cc.park(cache, a), Parked)
+    cache.reset()
+    run(cache, b)
+    with inject_fault("restore_copy"):
+        outcome = cc.restore(cache, b, a + [7])
+    assert isinstance(outcome, Skipped) and cache.length == 0
+
+
+def test_strata_info_names_the_experts_and_their_bytes_per_stage(tmp_path):
+    import subprocess
+    import sys
+
+    shape = Shape(hidden=64, layers=4, experts=6, experts_per_token=2, expert_ffn=32)
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, 6, Q.Q8_0)
+    out = subprocess.run([sys.executable, "-m", "strata_server.cli", "info", str(path), "--devices",
+                          "cpu,cpu", "--layer-split", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "experts:         6 per layer, 2 per token, feed-forward 32 each" in out.stdout
+    # 3 expert tensors of 6 x 32 x 64 Q8_0 weights (34 bytes per 32) per layer, 2 layers a stage
+    per_stage = 2 * 3 * 6 * 32 * 64 // 32 * 34 / 2**20
+    assert out.stdout.count(f"(experts {per_stage:.1f} MiB of the weights)") == 2, out.stdout

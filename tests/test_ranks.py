@@ -224,12 +224,15 @@ def test_two_ranks_on_two_gpus_hand_off_over_nccl(model_file, engine, reference_
     assert driven["conversation"]["stats"]["restored"] >= 1
 
 
-def test_an_untied_head_across_ranks_gives_the_tokens_of_one_process(tmp_path):
-    """The last rank scores with the file's output matrix, not the token table (llama, untied head)."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_an_untied_head_across_ranks_gives_the_tokens_of_one_process(tmp_path, arch):
+    """The last rank scores with the file's output matrix, not the token table
+    (untied heads); a mixture-of-experts model's experts run on the rank that
+    holds their layer."""
     from gguf import GGMLQuantizationType
     from tiny_models import Shape, write_tiny_model
 
-    tiny = write_tiny_model(tmp_path / "untied.gguf", "llama", Shape(hidden=64, layers=4, tied=False), 7,
+    tiny = write_tiny_model(tmp_path / "untied.gguf", arch, Shape(hidden=64, layers=4, tied=False, experts=6), 7,
                             GGMLQuantizationType.Q8_0)
     args = ["generate", "The quick brown fox", "--model", str(tiny), "--temperature", "0", "-n", "8",
             "--context-length", "128", *COMMON]

@@ -258,6 +258,18 @@ def gemv_blocks(x: torch.Tensor, blocks: list[torch.Tensor], qtypes: list[int]) 
     return built().gemv(x, blocks, qtypes, x.shape[-1])
 
 
+def gemv_experts(x: torch.Tensor, experts: QuantTensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """A mixture-of-experts step's GEMVs in one call and one parallel region:
+    for each ``(expert, start, count)`` of ``runs`` (``count`` at most
+    ``CPU_GEMV_MAX_M``), rows ``start..start+count-1`` of ``x`` ``[P, K]``
+    (float32 or bfloat16) times that expert's matrix of ``experts``
+    ``[E, N, K]``. Float32 ``[P, N]``; rows no run covers are left unwritten.
+    Each expert's blocks are read once for its rows, as ``gemv`` reads a weight."""
+    check_supported(experts)
+    e, s, c = zip(*runs) if runs else ((), (), ())
+    return built().gemv_experts(x, experts.data, int(experts.qtype), experts.shape[1], list(e), list(s), list(c))
+
+
 def dequantize_into(qt: QuantTensor, out: torch.Tensor) -> torch.Tensor:
     """Write the dense 2-D ``qt`` into ``out`` (float32 or bfloat16, ``[N, K]``).
     float32 values equal ``gguf.quants.dequantize`` bit for bit."""

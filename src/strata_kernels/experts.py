@@ -7,9 +7,10 @@ as ``E * N`` rows of blocks, expert ``e``'s matrix in rows ``e*N ..
 (e+1)*N`` (``expert_matrix``: a view, nothing copied). A step's rows are
 routed to ``k`` experts each; ``ExpertGroups`` sorts those (row, slot)
 pairs by expert once per layer, and ``expert_matmul`` multiplies each
-expert's rows by its matrix: one GEMV (a decode step's few rows: each
-expert's weights read once for all its rows) or one GEMM (a prompt's)
-per expert that receives rows. No path touches an expert that receives
+expert's rows by its matrix: a GEMV for an expert with a decode step's few
+rows (each expert's weights read once for all its rows; on the CPU kernels
+all of them in one call, ``cpu_kernels.gemv_experts``) and a GEMM for one
+with a prompt's many. No path touches an expert that receives
 none; the torch reference dequantizes the ones it uses, per call.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .launch import CPU_GEMV_MAX_M, resolve_backend
 from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
 
@@ -80,8 +82,18 @@ def expert_matmul(x: torch.Tensor, experts: QuantTensor, groups: ExpertGroups,
     if x.dim() != 2 or x.shape[0] != groups.pairs:
         raise ValueError(f"x must be [{groups.pairs}, K] (one row per routed pair), got {tuple(x.shape)}")
     n = experts.shape[1]
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    for i, e in enumerate(groups.experts):
-        lo, hi = groups.offsets[i], groups.offsets[i + 1]
-        out[lo:hi] = qmatmul(x[lo:hi], expert_matrix(experts, e), backend)
+    runs = [(e, groups.offsets[i], groups.offsets[i + 1] - groups.offsets[i]) for i, e in enumerate(groups.experts)]
+    if resolve_backend(x.device, backend) == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        # The CPU kernels: every expert with a decode step's few rows in one
+        # GEMV call (one parallel region), the others one GEMM each.
+        from . import cpu_kernels
+
+        small = [r for r in runs if r[2] <= CPU_GEMV_MAX_M]
+        out = cpu_kernels.gemv_experts(x, experts, small) if small else torch.empty((x.shape[0], n))
+        out = out.to(x.dtype)
+        runs = [r for r in runs if r[2] > CPU_GEMV_MAX_M]
+    else:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    for e, start, count in runs:
+        out[start:start + count] = qmatmul(x[start:start + count], expert_matrix(experts, e), backend)
     return out

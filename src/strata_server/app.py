@@ -313,7 +313,7 @@ def run(config: ServerConfig) -> int:
     import uvicorn
 
     metrics = Metrics(cache_stats=lambda: supervisor.stats, scheduler_stats=lambda: supervisor.scheduler,
-                      queued=lambda: supervisor.queue_length)
+                      queued=lambda: supervisor.queue_length, props=lambda: supervisor.props)
     server: uvicorn.Server | None = None
 
     def give_up() -> None:

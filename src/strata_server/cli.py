@@ -330,6 +330,10 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"head dim {c.key_length}/{c.value_length}")
     if c.sliding_window:
         print(f"sliding window:  {c.sliding_window}")
+    experts = int(c.arch_key("expert_count", 0) or 0)
+    if experts:
+        print(f"experts:         {experts} per layer, {int(c.arch_key('expert_used_count', 0) or 0)} per token, "
+              f"feed-forward {int(c.arch_key('expert_feed_forward_length', 0) or 0)} each")
     print("tensors:")
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")
@@ -355,11 +359,18 @@ def _print_split(gguf, args: argparse.Namespace, context: int) -> None:
     from strata_runtime.pipeline import plan_split
 
     stages = plan_split(gguf, args.devices or args.device, args.layer_split, context, args.kv, dtype=args.dtype)
+    # A mixture-of-experts model's expert tensors (counted in each stage's weights).
+    expert_bytes = [0] * gguf.config.block_count
+    for t in gguf.tensor_infos():
+        if t.name.startswith("blk.") and "_exps." in t.name:
+            expert_bytes[int(t.name.split(".")[1])] += t.nbytes
     print(f"planned split over {len(stages)} stage(s), KV in {args.kv} at a context of {context}:")
     for i, s in enumerate(stages):
         extra = [w for w, on in (("embeddings", i == 0), ("output head", i == len(stages) - 1)) if on]
+        experts = sum(expert_bytes[j] for j in s.layers)
         print(f"  stage {i} {s.device:<8} layers {s.layers.start:>3}-{s.layers.stop - 1:<3} "
               f"weights {s.weight_bytes / MiB:>8.1f} MiB  KV {s.kv_bytes / MiB:>8.1f} MiB"
+              + (f"  (experts {experts / MiB:.1f} MiB of the weights)" if experts else "")
               + (f"  (+ {', '.join(extra)})" if extra else ""))
 
 

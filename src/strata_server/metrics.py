@@ -20,7 +20,8 @@ class Metrics:
     conversation-cache counters (read through ``cache_stats`` at scrape time)."""
 
     def __init__(self, cache_stats: Callable[[], dict[str, Any]] = dict,
-                 scheduler_stats: Callable[[], dict[str, Any]] = dict, queued: Callable[[], int] = lambda: 0):
+                 scheduler_stats: Callable[[], dict[str, Any]] = dict, queued: Callable[[], int] = lambda: 0,
+                 props: Callable[[], dict[str, Any] | None] = lambda: None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # vLLM's names under strata: (what dashboards built for vLLM read).
@@ -48,6 +49,7 @@ class Metrics:
         self.queue_depth = Gauge("strata_queue_depth", "requests waiting behind the one being served", registry=r)
         r.register(_ConversationCacheCollector(cache_stats))
         r.register(_SchedulerCollector(scheduler_stats, queued))
+        r.register(_ModelCollector(props))
 
     def route(self, path: str) -> str:
         return path if path in ROUTES else "other"
@@ -82,6 +84,28 @@ class _ConversationCacheCollector:
         for name in CACHE_GAUGES:
             yield GaugeMetricFamily(f"strata_conversation_cache_{name}", f"conversation cache: {name}",
                                     value=stats.get(name, 0))
+
+
+class _ModelCollector:
+    """What the loaded model is, from the engine's ``props`` (nothing before
+    an engine has said): a mixture-of-experts model's experts per layer and
+    per token (0 for a dense model)."""
+
+    def __init__(self, props: Callable[[], dict[str, Any] | None]):
+        self._props = props
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        props = self._props()
+        if not props:
+            return
+        experts = props.get("experts") or {}
+        yield GaugeMetricFamily("strata_model_experts", "experts per layer of a mixture-of-experts model (0: dense)",
+                                value=experts.get("count", 0))
+        yield GaugeMetricFamily("strata_model_experts_per_token", "experts each token is routed to (0: dense)",
+                                value=experts.get("per_token", 0))
 
 
 class _SchedulerCollector:

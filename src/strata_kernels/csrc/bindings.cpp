@@ -6,6 +6,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("gemv", &strata_cpu::gemv, "x @ W_i.T for GGUF blocks W_i and 1..8 rows of x, by integer dot products",
         py::arg("x"), py::arg("blocks"), py::arg("qtypes"), py::arg("K"));
+  m.def("gemv_experts", &strata_cpu::gemv_experts,
+        "a mixture-of-experts step's GEMVs: runs of at most 8 rows of x, each times its expert's matrix",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("N"), py::arg("experts"), py::arg("starts"),
+        py::arg("counts"));
   m.def("dequantize", &strata_cpu::dequantize, "GGUF blocks into a dense float32 or bfloat16 tensor");
   m.def("rms_norm", &strata_cpu::rms_norm, "RMSNorm (none without a weight), optionally then RoPE and a residual add", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), py::arg("cos") = py::none(),

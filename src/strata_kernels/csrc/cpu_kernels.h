@@ -15,6 +15,12 @@ constexpr int kMaxM = 8;  // rows of x one GEMV pass handles
 // by integer dot products against 16-bit codes of x.
 std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> blocks, std::vector<int64_t> qtypes,
                                 int64_t K);
+// qdot_cpu.cpp: a mixture-of-experts step's GEMVs in one parallel region:
+// rows starts[i]..starts[i]+counts[i]-1 of x (at most kMaxM) times expert
+// experts[i]'s [N, K] matrix (rows experts[i]*N.. of blocks), into the same
+// rows of y [P, N] float32 (rows no expert takes are left unwritten).
+torch::Tensor gemv_experts(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t N,
+                           std::vector<int64_t> experts, std::vector<int64_t> starts, std::vector<int64_t> counts);
 // dequant_cpu.cpp: GGUF blocks into a dense tensor, bit-exact with gguf-py.
 void dequantize(torch::Tensor blocks, int64_t qtype, int64_t K, torch::Tensor out);
 

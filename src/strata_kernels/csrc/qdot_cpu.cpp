@@ -166,11 +166,40 @@ inline uint16_t half_bits(const uint8_t* p) {  // a float16 as stored
 // (0 past K); dxv[(m*G + g)*4S + 4i + l] == dx of step i of group g (l < 4; 0
 // past K); xsum16/32[m*K/16 (/32) + i] = sum of x over those 16 (32) columns
 // (padded by 4 zeros, which a partial group's vector loads may reach).
+struct XCodes;
+
+// Rows m0.. of an XCodes, as the GEMV reads them (row m of the view is row
+// m0 + m of the call).
+struct XRows {
+  const int16_t* grouped;
+  const float *dxv, *xsum16, *xsum32;
+  int64_t K, groups;
+};
+
 struct XCodes {
   int64_t M = 0, K = 0, groups = 0;
   std::vector<int16_t> grouped;
   std::vector<float> dxv, xsum16, xsum32;
+
+  XRows rows(int64_t m0) const {
+    return {grouped.data() + m0 * groups * kGroupCols, dxv.data() + m0 * groups * 4 * kGroupSteps,
+            xsum16.data() + m0 * (K / 16), xsum32.data() + m0 * (K / 32), K, groups};
+  }
 };
+
+// x (float32 or bfloat16 [M, K]) as float32, row after row.
+std::vector<float> float_rows(const torch::Tensor& x) {
+  const torch::Tensor c = x.contiguous();
+  const int64_t n = c.numel();
+  std::vector<float> out(n);
+  if (c.scalar_type() == torch::kFloat32) {
+    std::memcpy(out.data(), c.data_ptr<float>(), n * sizeof(float));
+  } else {
+    const c10::BFloat16* xb = c.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) out[i] = float(xb[i]);
+  }
+  return out;
+}
 
 XCodes prepare_x(const std::vector<float>& x32, int64_t M, int64_t K) {
   XCodes x;
@@ -203,12 +232,12 @@ XCodes prepare_x(const std::vector<float>& x32, int64_t M, int64_t K) {
 #if defined(STRATA_CODES32)
 // Rows n0..n1-1 of one weight for M rows of x; y [M, N] float32.
 template <class T, int M>
-void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, int64_t N, int64_t n0, int64_t n1) {
+void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
   static_assert(T::B == kXBlock || T::B % kGroupCols == 0, "a group lies within a block, or covers whole blocks");
   constexpr int G = T::B / T::SG;
   const int64_t K = x.K, groups = K / T::SG, steps = K / kXBlock;
-  const float* xsum = T::SG == 16 ? x.xsum16.data() : x.xsum32.data();
+  const float* xsum = T::SG == 16 ? x.xsum16 : x.xsum32;
   float scale[G], minv[G];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -268,8 +297,8 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, 
       transpose_steps(steps_codes, cw);
       constexpr int W = kGroupCols / 4;  // codes per register
       for (int m = 0; m < M; ++m) {
-        const int16_t* xg = x.grouped.data() + (m * x.groups + g) * kGroupCols;
-        const GroupAcc dxm = group_load(x.dxv.data() + (m * x.groups + g) * 4 * kGroupSteps);
+        const int16_t* xg = x.grouped + (m * x.groups + g) * kGroupCols;
+        const GroupAcc dxm = group_load(x.dxv + (m * x.groups + g) * 4 * kGroupSteps);
         if constexpr (T::SG == 32) {
           auto p = dot_first(cw[0], codes_load(xg));
           p = dot_add(p, cw[1], codes_load(xg + W));
@@ -303,11 +332,11 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, 
 // time, the integer sums left to the compiler. (x.grouped is in natural
 // order here: one step per group.)
 template <class T, int M>
-void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, int64_t N, int64_t n0, int64_t n1) {
+void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
   constexpr int G = T::B / T::SG;
   const int64_t K = x.K, blocks = K / T::B, groups = K / T::SG;
-  const float* xsum = T::SG == 16 ? x.xsum16.data() : x.xsum32.data();
+  const float* xsum = T::SG == 16 ? x.xsum16 : x.xsum32;
   typename T::Block d;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -318,7 +347,7 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XCodes& x, float* y, 
       for (int c = 0; c < T::B; c += kXBlock) {
         const int64_t step = (b * T::B + c) / kXBlock;
         for (int m = 0; m < M; ++m) {
-          const int16_t* xq = x.grouped.data() + (m * x.groups + step) * kXBlock;
+          const int16_t* xq = x.grouped + (m * x.groups + step) * kXBlock;
           int32_t lo = 0, hi = 0;
           for (int i = 0; i < 16; ++i) lo += int32_t(d.q[c + i]) * int32_t(xq[i]);
           for (int i = 16; i < 32; ++i) hi += int32_t(d.q[c + i]) * int32_t(xq[i]);
@@ -346,15 +375,7 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
   TORCH_CHECK(K % kXBlock == 0, "K=", K, " is not a multiple of ", kXBlock);
   const int64_t M = x.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxM, "gemv takes 1 to ", kMaxM, " rows of x, got ", M);
-  x = x.contiguous();
-  std::vector<float> x32(M * K);
-  if (x.scalar_type() == torch::kFloat32) {
-    std::memcpy(x32.data(), x.data_ptr<float>(), M * K * sizeof(float));
-  } else {
-    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) x32[i] = float(xb[i]);
-  }
-  const XCodes xc = prepare_x(x32, M, K);
+  const XCodes xc = prepare_x(float_rows(x), M, K);
 
   struct Part {
     const uint8_t* w;
@@ -379,7 +400,7 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
       with_type(p.qtype, [&](auto t) {
         using T = decltype(t);
         with_rows(int(M), [&](auto rows) {
-          qgemv_rows<T, decltype(rows)::value>(p.w, p.row_bytes, xc, p.y.data_ptr<float>(), p.N, lo - p.first,
+          qgemv_rows<T, decltype(rows)::value>(p.w, p.row_bytes, xc.rows(0), p.y.data_ptr<float>(), p.N, lo - p.first,
                                                hi - p.first);
         });
       });
@@ -389,6 +410,46 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
   std::vector<torch::Tensor> outputs;
   for (const Part& p : parts) outputs.push_back(x.scalar_type() == torch::kFloat32 ? p.y : p.y.to(x.scalar_type()));
   return outputs;
+}
+
+}  // namespace strata_cpu
+
+namespace strata_cpu {
+
+torch::Tensor gemv_experts(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t N,
+                           std::vector<int64_t> experts, std::vector<int64_t> starts, std::vector<int64_t> counts) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be float32 or bfloat16 [P, K]");
+  const int64_t P = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kXBlock == 0, "K=", K, " is not a multiple of ", kXBlock);
+  TORCH_CHECK(N >= 1 && blocks.dim() == 2 && blocks.size(0) % N == 0, "blocks must be [experts * N, row bytes]");
+  with_type(qtype, [&](auto t) { check_blocks<decltype(t)>(blocks, K); });
+  TORCH_CHECK(experts.size() == starts.size() && starts.size() == counts.size(), "one start and count per expert");
+  const int64_t n_experts = blocks.size(0) / N;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    TORCH_CHECK(experts[i] >= 0 && experts[i] < n_experts, "expert ", experts[i], " of ", n_experts);
+    TORCH_CHECK(counts[i] >= 1 && counts[i] <= kMaxM && starts[i] >= 0 && starts[i] + counts[i] <= P,
+                "each expert takes 1 to ", kMaxM, " consecutive rows of x");
+  }
+  const XCodes xc = prepare_x(float_rows(x), P, K);
+  torch::Tensor y = torch::empty({P, N}, torch::kFloat32);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1), tasks = int64_t(experts.size());
+  // One parallel region over every expert's rows of weights: (task, row) pairs.
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / row_bytes);
+  at::parallel_for(0, tasks * N, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0 / N; t < tasks && t * N < r1; ++t) {
+      const int64_t lo = std::max(r0, t * N) - t * N, hi = std::min(r1, (t + 1) * N) - t * N;
+      with_type(qtype, [&](auto tp) {
+        using T = decltype(tp);
+        with_rows(int(counts[t]), [&](auto rows) {
+          qgemv_rows<T, decltype(rows)::value>(w + experts[t] * N * row_bytes, row_bytes, xc.rows(starts[t]),
+                                               y.data_ptr<float>() + starts[t] * N, N, lo, hi);
+        });
+      });
+    }
+  });
+  return y;
 }
 
 }  // namespace strata_cpu

@@ -35,3 +35,5 @@ timeout 120 python3 bench/kernels.py --types Q4_K,Q8_0,IQ4_XS,IQ3_S,Q6_K --shape
     --m 1,8,64,512 --csv "$out/kernels-cuda.csv" 2>&1 | tee "$out/kernels.txt"
 # 4. Decode attention per KV format at 4K-128K.
 timeout 60 python3 bench/attention.py 2>&1 | tee "$out/attention.txt"
+# 5. Mixture-of-experts matmuls: 128 experts of 768x2048, top-8, M = 1, 8, 512.
+timeout 60 python3 bench/experts.py --types Q4_K,Q8_0 2>&1 | tee "$out/experts.txt"

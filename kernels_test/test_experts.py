@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from helpers import random_quant_tensor, report_mismatch
+from strata_kernels import block_format
 
 from strata_kernels import ExpertGroups, QuantTensor, cpu_kernels, dequantize, expert_matmul, expert_matrix
 
@@ -33,6 +34,7 @@ ROUTINGS = {
     "one expert takes every row": torch.tensor([[3], [3], [3], [3], [3], [3], [3], [3], [3], [3], [3]]),
     "one row, top-4": torch.tensor([[4, 1, 3, 0]]),
     "a prompt's 19 rows, top-2": torch.stack([torch.arange(19) % 5, (torch.arange(19) * 3 + 1) % 5], 1),
+    "40 rows, expert 2 takes every one": torch.stack([torch.full((40,), 2), torch.tensor([0, 1, 3, 4] * 10)], 1),
 }
 
 
@@ -86,3 +88,24 @@ def test_the_cpu_call_for_all_experts_equals_one_gemv_each(dtype):
         cpu_kernels.gemv_experts(x, experts, [(0, 0, 9)])
     with pytest.raises(RuntimeError, match="expert 5 of 5"):
         cpu_kernels.gemv_experts(x, experts, [(5, 0, 1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 8, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_expert_matmul_at_a_real_shape(qtype, m, dtype):
+    """128 experts of 768x2048, top-8 (a Qwen3-MoE layer's gate or up): the
+    compiled grouped GEMV (m 1, 8) and GEMM (512) against float64."""
+    flat = random_quant_tensor(qtype, 128 * 768, 2048 // block_format(qtype).block_size, seed=m)
+    experts = QuantTensor(flat.data, qtype, (128, 768, 2048)).to("cuda")
+    g = torch.Generator().manual_seed(m)
+    ids = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(m)])
+    x = torch.randn(m, 2048, generator=g)
+    groups = ExpertGroups.of(ids.cuda(), 128)
+    got = expert_matmul(x.cuda().to(dtype)[groups.rows], experts, groups).cpu()
+    dense = dequantize(experts.to("cpu"), torch.float32).reshape(128, 768, 2048).double()
+    expected = torch.einsum("tc,tknc->tkn", x.to(dtype).double(), dense[ids]).reshape(-1, 768)[groups.order.cpu()]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    err = float(((got.double() - expected).abs() / (expected.abs() + 1)).max())
+    assert err < tol, err

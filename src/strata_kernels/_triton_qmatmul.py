@@ -43,7 +43,35 @@ def _gemv_kernel(
     #         once, unpacks the codes in registers, sums x * code over each
     #         sub-block of SUB weights and applies that sub-block's scale (and
     #         offset, times the sum of x) once, for all M rows of x
-    pn = tl.program_id(0).to(tl.int64)
+    _gemv_tile(x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om, tl.program_id(0).to(tl.int64),
+               grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, OFFSET, SUB, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _expert_gemv_kernel(
+    x, blocks, out, experts, starts, counts, N, K, stride_xm, row_bytes, stride_om,
+    grid_ptr, signs_ptr, values_ptr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # x:       [P, K] routed rows, grouped by expert; out: [P, N]
+    # blocks:  uint8 [E * N, row_bytes], expert e's matrix in rows e*N..(e+1)*N
+    # experts, starts, counts: [G] int32; group g is rows starts[g]..+counts[g] (<= BLOCK_M) of x,
+    #          all routed to expert experts[g]
+    # grid:    (cdiv(N, BLOCK_N), G); program (pn, g) is the GEMV's program pn on group g's rows
+    g = tl.program_id(1)
+    e = tl.load(experts + g).to(tl.int64)
+    start = tl.load(starts + g).to(tl.int64)
+    _gemv_tile(x + start * stride_xm, blocks + e * N * row_bytes, out + start * stride_om, tl.load(counts + g), N, K,
+               stride_xm, row_bytes, stride_om, tl.program_id(0).to(tl.int64), grid_ptr, signs_ptr, values_ptr,
+               QTYPE, BS, TS, OFFSET, SUB, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _gemv_tile(x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om, pn, grid_ptr, signs_ptr, values_ptr,
+               QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr, SUB: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMV's program ``pn``: output columns ``pn * BLOCK_N..`` for all M (<= BLOCK_M) rows."""
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     m = tl.arange(0, BLOCK_M).to(tl.int64)
     n_safe = tl.minimum(n, N - 1)
@@ -82,8 +110,37 @@ def _gemm_kernel(
     # grid:   (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); program (pm, pn) owns one
     #         output tile; each K step dequantizes a [BLOCK_N, BLOCK_K] weight
     #         tile in registers (in x's dtype) and feeds it to tl.dot
-    pm = tl.program_id(0).to(tl.int64)
-    pn = tl.program_id(1).to(tl.int64)
+    _gemm_tile(x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om, tl.program_id(0).to(tl.int64),
+               tl.program_id(1).to(tl.int64), grid_ptr, signs_ptr, values_ptr, QTYPE, BS, TS, OFFSET,
+               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    x, blocks, out, tile_experts, tile_starts, tile_counts, N, K, stride_xm, row_bytes, stride_om,
+    grid_ptr, signs_ptr, values_ptr,
+    QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # x:       [P, K] routed rows, grouped by expert; out: [P, N]
+    # blocks:  uint8 [E * N, row_bytes], expert e's matrix in rows e*N..(e+1)*N
+    # tile_*:  [T] int32; tile t is rows tile_starts[t]..+tile_counts[t] (<= BLOCK_M) of x, all routed
+    #          to expert tile_experts[t] (an expert's run of rows cut into BLOCK_M tiles)
+    # grid:    (T, cdiv(N, BLOCK_N)); program (t, pn) is the GEMM's output tile (0, pn) of tile t's rows
+    t = tl.program_id(0)
+    e = tl.load(tile_experts + t).to(tl.int64)
+    start = tl.load(tile_starts + t).to(tl.int64)
+    _gemm_tile(x + start * stride_xm, blocks + e * N * row_bytes, out + start * stride_om, tl.load(tile_counts + t),
+               N, K, stride_xm, row_bytes, stride_om, 0, tl.program_id(1).to(tl.int64), grid_ptr, signs_ptr,
+               values_ptr, QTYPE, BS, TS, OFFSET, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+
+
+@triton.jit
+def _gemm_tile(x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om, pm, pn, grid_ptr, signs_ptr, values_ptr,
+               QTYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, OFFSET: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The GEMM's output tile ``(pm, pn)``."""
     m = pm * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     n_safe = tl.minimum(n, N - 1)[:, None]
@@ -123,5 +180,44 @@ def qmatmul_triton(x: torch.Tensor, qt: QuantTensor, path: str | None = None) ->
         _gemm_kernel[(triton.cdiv(m, s.block_m), triton.cdiv(n, s.block_n))](
             *common, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k,
             DOT_PRECISION=precision, num_warps=s.num_warps,
+        )
+    return out
+
+
+def expert_matmul_triton(x: torch.Tensor, experts: QuantTensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``runs`` of ``(expert, start, count)``: rows ``start..start+count-1`` of
+    ``x`` ``[P, K]`` times that expert's matrix of ``experts`` ``[E, N, K]``,
+    into the same rows of the result ``[P, N]`` (x's dtype). Two launches at
+    most: one GEMV program grid over every run of at most ``GEMV_MAX_M`` rows,
+    one GEMM grid over the others' rows cut into tiles."""
+    fmt = block_format(experts.qtype)
+    x = x.contiguous()
+    p, k = x.shape
+    n = experts.shape[1]
+    out = torch.empty((p, n), dtype=x.dtype, device=x.device)
+    small = [r for r in runs if r[2] <= GEMV_MAX_M]
+    large = [r for r in runs if r[2] > GEMV_MAX_M]
+    common = (experts.data, out)
+    tail = (n, k, x.stride(0), experts.data.stride(0), out.stride(0), *table_args(experts))
+    consts = dict(QTYPE=int(experts.qtype), BS=fmt.block_size, TS=fmt.type_size,
+                  OFFSET=int(experts.qtype) in HAS_OFFSET)
+
+    def ints(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=x.device)
+
+    if small:
+        s = launch_settings("gemv", max(c for _, _, c in small), n, k, fmt.block_size)
+        e, st, c = zip(*small)
+        _expert_gemv_kernel[(triton.cdiv(n, s.block_n), len(small))](
+            x, *common, ints(e), ints(st), ints(c), *tail, **consts, SUB=SUB_BLOCK[int(experts.qtype)],
+            BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps,
+        )
+    if large:
+        s = launch_settings("gemm", max(c for _, _, c in large), n, k, fmt.block_size)
+        tiles = [(e, st + i, min(s.block_m, c - i)) for e, st, c in large for i in range(0, c, s.block_m)]
+        e, st, c = zip(*tiles)
+        _expert_gemm_kernel[(len(tiles), triton.cdiv(n, s.block_n))](
+            x, *common, ints(e), ints(st), ints(c), *tail, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+            BLOCK_K=s.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=s.num_warps,
         )
     return out

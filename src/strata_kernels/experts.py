@@ -83,7 +83,12 @@ def expert_matmul(x: torch.Tensor, experts: QuantTensor, groups: ExpertGroups,
         raise ValueError(f"x must be [{groups.pairs}, K] (one row per routed pair), got {tuple(x.shape)}")
     n = experts.shape[1]
     runs = [(e, groups.offsets[i], groups.offsets[i + 1] - groups.offsets[i]) for i, e in enumerate(groups.experts)]
-    if resolve_backend(x.device, backend) == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    chosen = resolve_backend(x.device, backend)
+    if chosen == "triton":  # one GEMV launch for the experts with few rows, one GEMM launch for the rest
+        from ._triton_qmatmul import expert_matmul_triton
+
+        return expert_matmul_triton(x, experts, runs)
+    if chosen == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         # The CPU kernels: every expert with a decode step's few rows in one
         # GEMV call (one parallel region), the others one GEMM each.
         from . import cpu_kernels

@@ -54,6 +54,21 @@ def test_expert_matmul_equals_each_rows_experts(qtype, routing, backend):
                                                                                  float(tol))
 
 
+@pytest.mark.parametrize("qtype", [T.IQ4_XS, T.IQ3_S, T.IQ2_XXS, T.Q3_K, T.Q2_K], ids=lambda t: t.name)
+def test_triton_reads_the_types_only_it_reads(qtype):
+    """Triton reads every GGUF type the dense kernels do, experts included."""
+    ids = ROUTINGS["a prompt's 19 rows, top-2"][:9]
+    flat = random_quant_tensor(qtype, N_EXPERTS * N, 1, qtype.value)
+    experts = QuantTensor(flat.data, qtype, (N_EXPERTS, N, flat.cols))
+    x = torch.randn(ids.shape[0], experts.shape[2], generator=torch.Generator().manual_seed(2))
+    groups = ExpertGroups.of(ids, N_EXPERTS)
+    got = expert_matmul(x[groups.rows], experts, groups, "triton")
+    expected = _expected(x, experts, ids).reshape(-1, N)[groups.order]
+    tol = 1e-3 * expected.abs().max() + 1e-4
+    assert torch.allclose(got.double(), expected, atol=float(tol)), report_mismatch(got, expected.float(),
+                                                                                 float(tol))
+
+
 def test_groups_sort_pairs_by_expert_keeping_row_order():
     ids = torch.tensor([[2, 0], [0, 2], [1, 2]])
     g = ExpertGroups.of(ids, 4)

@@ -11,7 +11,9 @@ it (``ExpertGroups`` once, then each expert's rows: on the CPU kernels one
 GEMV call for every expert with a few rows, one GEMM per expert with more).
 Prints the experts a step reads, the bytes of their blocks over the time
 (GB/s) and that against this device's copy bandwidth (read + write of a
-large buffer), the bound a weight-reading kernel approaches from below.
+large buffer), the bound a decode step's weight-reading kernel approaches
+from below, and the multiply-adds per second (GFLOP/s), the measure of a
+prompt's step.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def main() -> None:
     bound = copy_bandwidth(device)
     print(f"# {device_name(device)}, torch {torch.__version__}, {platform.machine()}; {args.experts} experts of "
           f"{n}x{k}, top-{args.top_k}; copy bandwidth {bound / 1e9:.1f} GB/s (read + write)")
-    print("| type | M | experts read | MB read | ms | GB/s | of copy bw |")
-    print("|---|---|---|---|---|---|---|")
+    print("| type | M | experts read | MB read | ms | GB/s | of copy bw | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.types.split(","):
         qtype = T[name]
         flat = random_quant_tensor(qtype, args.experts * n, k // block_format(qtype).block_size, seed=0)
@@ -66,8 +68,9 @@ def main() -> None:
             rows = x[groups.rows]
             seconds = time_call(lambda: expert_matmul(rows, experts, groups, backend), device, args.reps)
             read = per_expert * len(groups.experts)
+            flops = 2 * groups.pairs * n * k
             print(f"| {name} | {m} | {len(groups.experts)} | {read / 1e6:.1f} | {seconds * 1e3:.2f} | "
-                  f"{read / seconds / 1e9:.1f} | {read / seconds / bound:.0%} |")
+                  f"{read / seconds / 1e9:.1f} | {read / seconds / bound:.0%} | {flops / seconds / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

@@ -106,10 +106,18 @@ inline GroupAcc group_fma(__m512i dots, GroupAcc scale, GroupAcc dx, GroupAcc ac
 inline GroupAcc spread_scales(__m128 s) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(s));
 }
-inline GroupAcc spread_pairs(const float* s, bool odd) {
-  const __m512 v = _mm512_castps256_ps512(_mm256_loadu_ps(s));
-  return odd ? _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1), v)
-             : _mm512_permutexvar_ps(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0), v);
+// A super-block's scales (up to 16) in one register: lanes first..first+3
+// each four times, or (16 weights per scale) the even or odd ones of lanes
+// first..first+7.
+using ScaleLanes = __m512;
+inline ScaleLanes scale_lanes(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+inline GroupAcc spread_lanes(ScaleLanes v, int first) {
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(first)), v);
+}
+inline GroupAcc spread_pairs(ScaleLanes v, int first, bool odd) {
+  const __m512i idx = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(first + odd)), v);
 }
 #else  // AVX2
 constexpr int kGroupSteps = 2;
@@ -140,14 +148,49 @@ inline GroupAcc group_fma(__m256i dots, GroupAcc scale, GroupAcc dx, GroupAcc ac
 inline GroupAcc spread_scales(__m128 s) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
 }
-inline GroupAcc spread_pairs(const float* s, bool odd) {
-  const __m256 v = _mm256_castps128_ps256(_mm_loadu_ps(s));
-  return _mm256_permutevar8x32_ps(v, odd ? _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1) : _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
+struct ScaleLanes {
+  __m256 lo, hi;  // scales 0..7, 8..15
+};
+inline ScaleLanes scale_lanes(__m256 lo, __m256 hi) { return {lo, hi}; }
+inline GroupAcc spread_lanes(ScaleLanes v, int first) {  // first + 1 < 8
+  return _mm256_permutevar8x32_ps(v.lo, _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set1_epi32(first)));
+}
+inline GroupAcc spread_pairs(ScaleLanes v, int first, bool odd) {
+  const __m256i idx = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
+  return _mm256_permutevar8x32_ps(first < 8 ? v.lo : v.hi, _mm256_add_epi32(idx, _mm256_set1_epi32(first % 8 + odd)));
 }
 #endif
 // Two floats into lanes 0 and 1 (through __m128i, which may alias anything:
 // a double* load of a float array is undefined and GCC drops the stores).
 inline __m128 load_two(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+// A K-quant super-block's scales and minimums in registers (written to an
+// array and read back as vectors, they stalled on store forwarding at every
+// block): Q4_K and Q5_K's eight 6-bit (scale, min) pairs as k_scales_mins
+// decodes them, Q6_K's sixteen int8 scales; times d (and dmin).
+struct SuperScales {
+  ScaleLanes scale;
+  __m256 minv;
+};
+template <class T>
+inline SuperScales super_scales(const uint8_t* b) {
+  if constexpr (T::SG == 16) {  // Q6_K
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 d = _mm256_set1_ps(half_at(b + 208));
+    return {scale_lanes(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))),
+            _mm256_setzero_ps()};
+  } else {  // Q4_K, Q5_K
+    const uint8_t* s = b + 4;
+    const __m256i sc = _mm256_setr_epi32(s[0] & 63, s[1] & 63, s[2] & 63, s[3] & 63, (s[8] & 15) | ((s[0] >> 6) << 4),
+                                         (s[9] & 15) | ((s[1] >> 6) << 4), (s[10] & 15) | ((s[2] >> 6) << 4),
+                                         (s[11] & 15) | ((s[3] >> 6) << 4));
+    const __m256i m = _mm256_setr_epi32(s[4] & 63, s[5] & 63, s[6] & 63, s[7] & 63, (s[8] >> 4) | ((s[4] >> 6) << 4),
+                                        (s[9] >> 4) | ((s[5] >> 6) << 4), (s[10] >> 4) | ((s[6] >> 6) << 4),
+                                        (s[11] >> 4) | ((s[7] >> 6) << 4));
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(sc));
+    return {scale_lanes(scale, scale), _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), _mm256_cvtepi32_ps(m))};
+  }
+}
 #else
 constexpr int kGroupSteps = 1;  // no SIMD: one step at a time, in plain C++
 #endif
@@ -238,7 +281,8 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
   constexpr int G = T::B / T::SG;
   const int64_t K = x.K, groups = K / T::SG, steps = K / kXBlock;
   const float* xsum = T::SG == 16 ? x.xsum16 : x.xsum32;
-  float scale[G], minv[G];
+  static_assert(T::B == kXBlock || G == 8 || G == 16, "K-quant super-blocks: 8 scales (and mins) or 16 scales");
+  SuperScales block_scales;  // of the super-block being read (several groups per block)
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     if (n + kPrefetchRows < n1) prefetch(row + kPrefetchRows * row_bytes, row_bytes);
@@ -278,19 +322,21 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
         const int c0 = int(col % T::B);
         const uint8_t* block = row + b * T::BYTES;
         if (c0 == 0) {
-          T::scales(block, scale, minv);
-          if constexpr (T::HAS_MIN)
-            for (int j = 0; j < G; j += 4) {
-              const __m128 mv = _mm_loadu_ps(minv + j);
-              for (int m = 0; m < M; ++m) mins[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(xsum + m * groups + b * G + j), mins[m]);
+          block_scales = super_scales<T>(block);
+          if constexpr (T::HAS_MIN) {  // G == 8 minimums, each times its 32 columns' sum of x
+            const __m128 mlo = _mm256_castps256_ps128(block_scales.minv), mhi = _mm256_extractf128_ps(block_scales.minv, 1);
+            for (int m = 0; m < M; ++m) {
+              const float* xs = xsum + m * groups + b * G;
+              mins[m] = _mm_fmadd_ps(mhi, _mm_loadu_ps(xs + 4), _mm_fmadd_ps(mlo, _mm_loadu_ps(xs), mins[m]));
             }
+          }
         }
         for (int i = 0; i < kGroupSteps; ++i) steps_codes[i] = signed_codes32<T>(block, c0 + kXBlock * i);
         if constexpr (T::SG == 32) {
-          lo = hi = spread_scales(kGroupSteps == 4 ? _mm_loadu_ps(scale + c0 / 32) : load_two(scale + c0 / 32));
+          lo = hi = spread_lanes(block_scales.scale, c0 / 32);
         } else {
-          lo = spread_pairs(scale + c0 / 16, false);
-          hi = spread_pairs(scale + c0 / 16, true);
+          lo = spread_pairs(block_scales.scale, c0 / 16, false);
+          hi = spread_pairs(block_scales.scale, c0 / 16, true);
         }
       }
       GroupCodes cw[4];

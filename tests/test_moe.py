@@ -72,6 +72,16 @@ def test_exact_path_equals_transformers(tmp_path, shape, qtype, seed):
     assert len(used) > shape.experts_per_token  # the router spreads tokens over experts
 
 
+def test_a_file_whose_tensors_disagree_with_its_expert_count_is_refused(tmp_path):
+    from strata_runtime.errors import ModelFileError
+
+    shape = Shape(experts=4, experts_per_token=2, told_experts=6)
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, 0, Q.Q8_0)
+    with pytest.raises(ModelFileError, match=r"layer 0: the file says 6 experts, but its router and gate, up and "
+                                             r"down expert tensors have shapes"):
+        _load(path)
+
+
 def test_props_name_the_experts(tmp_path):
     shape, qtype, seed = CASES[1]
     engine = _load(write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, seed, qtype))

@@ -30,9 +30,10 @@ class Shape:
     head_dim: int = 16
     ffn: int = 96
     tied: bool = True
-    experts: int = 0  # qwen3moe: experts per layer,
+    experts: int = 0  # qwen3moe: experts per layer (and expert_count, unless told_experts says otherwise),
     experts_per_token: int = 2  # of which each token uses this many,
     expert_ffn: int = 32  # each a gated MLP this wide
+    told_experts: int | None = None  # an expert_count that disagrees with the tensors (a broken file)
 
 
 def bpe_vocabulary():
@@ -94,7 +95,7 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
         w.add_rope_scaling_factor(yarn[0])
         w.add_rope_scaling_orig_ctx_len(yarn[1])
     if arch == "qwen3moe":
-        w.add_expert_count(s.experts)
+        w.add_expert_count(s.experts if s.told_experts is None else s.told_experts)
         w.add_expert_used_count(s.experts_per_token)
         w.add_expert_feed_forward_length(s.expert_ffn)
     w.add_layer_norm_rms_eps(1e-6)

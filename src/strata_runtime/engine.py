@@ -369,13 +369,6 @@ class Engine:
         return [{"device": str(device), "layers": [layers.start, layers.stop - 1]}
                 for device, layers in zip(placement.stage_devices, placement.stage_layers())]
 
-    def _experts(self) -> dict[str, int] | None:
-        """A mixture-of-experts model's experts per layer and per token (its
-        GGUF metadata); None for a dense model."""
-        c = self.gguf.config
-        count = int(c.arch_key("expert_count", 0) or 0)
-        return {"count": count, "per_token": int(c.arch_key("expert_used_count", 0) or 0)} if count else None
-
     def props(self) -> dict[str, Any]:
         c = self.gguf.config
         return {
@@ -386,7 +379,7 @@ class Engine:
             "max_prompt_chars": self.max_prompt_chars(),
             "model_context_length": c.context_length,
             "vocab_size": self.tokenizer.vocab.size,
-            "experts": self._experts(),
+            "experts": (None if (e := c.experts()) is None else {"count": e.count, "per_token": e.per_token}),
             "dtype": self.model.compute_path.name,
             "compute_path": self._compute_path_state(),
             "device": str(self.model.device),

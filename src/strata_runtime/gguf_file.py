@@ -76,6 +76,25 @@ class ModelConfig:
     def arch_key(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
+    def experts(self) -> Experts | None:
+        """A mixture-of-experts model's routing as its metadata gives it; None
+        for a dense model (no ``{arch}.expert_count``)."""
+        count = int(self.arch_key("expert_count", 0) or 0)
+        if not count:
+            return None
+        return Experts(count, int(self.arch_key("expert_used_count", 0) or 0),
+                       int(self.arch_key("expert_feed_forward_length", 0) or 0))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """``count`` experts per layer, ``per_token`` of them serving each token,
+    each a feed-forward ``width`` wide (0 where the file does not say)."""
+
+    count: int
+    per_token: int
+    width: int
+
 
 class GGUFFile:
     """An open GGUF file. Invariant: ``reader`` maps ``path`` read-only in

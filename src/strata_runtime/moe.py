@@ -10,6 +10,7 @@ from torch import nn
 from strata_kernels import ExpertGroups, QuantTensor, expert_matmul, expert_matrix
 
 from .backend import Backend
+from .errors import ModelFileError
 from .layers import Linear
 
 
@@ -28,14 +29,19 @@ class MoEFeedForward(nn.Module):
     plain ``Linear``.
     """
 
-    def __init__(self, layer: int, w, backend: Backend, top_k: int, norm_topk: bool, act_mul):
+    def __init__(self, layer: int, w, backend: Backend, n_experts: int, top_k: int, norm_topk: bool, act_mul):
         super().__init__()
         p = f"blk.{layer}."
-        self.router = Linear(w(p + "ffn_gate_inp.weight"), backend)
+        router = w(p + "ffn_gate_inp.weight")
+        self.router = Linear(router, backend)
         self.gate_exps: QuantTensor = w(p + "ffn_gate_exps.weight")
         self.up_exps: QuantTensor = w(p + "ffn_up_exps.weight")
         self.down_exps: QuantTensor = w(p + "ffn_down_exps.weight")
-        self.n_experts = self.gate_exps.shape[0]
+        tensors = (router, self.gate_exps, self.up_exps, self.down_exps)
+        if [t.shape[0] for t in tensors] != [n_experts] * 4 or [len(t.shape) for t in tensors] != [2, 3, 3, 3]:
+            raise ModelFileError(f"layer {layer}: the file says {n_experts} experts, but its router and gate, up "
+                                 f"and down expert tensors have shapes {[t.shape for t in tensors]}")
+        self.n_experts = n_experts
         self.top_k = top_k
         self.norm_topk = norm_topk
         self.act_mul = act_mul

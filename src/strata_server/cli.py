@@ -330,10 +330,9 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"head dim {c.key_length}/{c.value_length}")
     if c.sliding_window:
         print(f"sliding window:  {c.sliding_window}")
-    experts = int(c.arch_key("expert_count", 0) or 0)
-    if experts:
-        print(f"experts:         {experts} per layer, {int(c.arch_key('expert_used_count', 0) or 0)} per token, "
-              f"feed-forward {int(c.arch_key('expert_feed_forward_length', 0) or 0)} each")
+    if (experts := c.experts()) is not None:
+        print(f"experts:         {experts.count} per layer, {experts.per_token} per token, "
+              f"feed-forward {experts.width} each")
     print("tensors:")
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")

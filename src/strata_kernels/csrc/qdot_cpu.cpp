@@ -207,26 +207,27 @@ inline uint16_t half_bits(const uint8_t* p) {  // a float16 as stored
 // sums of x. Invariant, for S = kGroupSteps, C = kGroupCols, G = ceil(K / C):
 // grouped[(m*G + g)*C + (r*S + i)*8 + j] * dx of that step ~= x[m, g*C + 32i + 8r + j]
 // (0 past K); dxv[(m*G + g)*4S + 4i + l] == dx of step i of group g (l < 4; 0
-// past K); xsum16/32[m*K/16 (/32) + i] = sum of x over those 16 (32) columns
-// (padded by 4 zeros, which a partial group's vector loads may reach).
+// past K); xsum[m*K/32 + i] = sum of x over columns 32i..32i+31 (padded by 4
+// zeros, which a partial group's vector loads may reach): the types with a
+// minimum (Q4_1, Q5_1, Q4_K, Q5_K) have one per 32 weights.
 struct XCodes;
 
 // Rows m0.. of an XCodes, as the GEMV reads them (row m of the view is row
 // m0 + m of the call).
 struct XRows {
   const int16_t* grouped;
-  const float *dxv, *xsum16, *xsum32;
+  const float *dxv, *xsum;
   int64_t K, groups;
 };
 
 struct XCodes {
-  int64_t M = 0, K = 0, groups = 0;
+  int64_t K = 0, groups = 0;
   std::vector<int16_t> grouped;
-  std::vector<float> dxv, xsum16, xsum32;
+  std::vector<float> dxv, xsum;
 
   XRows rows(int64_t m0) const {
     return {grouped.data() + m0 * groups * kGroupCols, dxv.data() + m0 * groups * 4 * kGroupSteps,
-            xsum16.data() + m0 * (K / 16), xsum32.data() + m0 * (K / 32), K, groups};
+            xsum.data() + m0 * (K / kXBlock), K, groups};
   }
 };
 
@@ -246,15 +247,12 @@ std::vector<float> float_rows(const torch::Tensor& x) {
 
 XCodes prepare_x(const std::vector<float>& x32, int64_t M, int64_t K) {
   XCodes x;
-  x.M = M;
   x.K = K;
   std::vector<int16_t> codes(M * K);
   std::vector<float> dx(M * K / kXBlock);
   quantize_rows(x32.data(), M, K, codes.data(), dx.data());
-  x.xsum16 = group_sums(x32, M, K, 16);
-  x.xsum32 = group_sums(x32, M, K, 32);
-  x.xsum16.resize(x.xsum16.size() + 4, 0.0f);
-  x.xsum32.resize(x.xsum32.size() + 4, 0.0f);
+  x.xsum = group_sums(x32, M, K, kXBlock);
+  x.xsum.resize(x.xsum.size() + 4, 0.0f);
   const int64_t steps = K / kXBlock, G = (steps + kGroupSteps - 1) / kGroupSteps, C = kGroupCols;
   x.groups = G;
   x.grouped.assign(M * G * C, 0);
@@ -279,8 +277,9 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
   static_assert(T::B == kXBlock || T::B % kGroupCols == 0, "a group lies within a block, or covers whole blocks");
   constexpr int G = T::B / T::SG;
-  const int64_t K = x.K, groups = K / T::SG, steps = K / kXBlock;
-  const float* xsum = T::SG == 16 ? x.xsum16 : x.xsum32;
+  static_assert(!T::HAS_MIN || T::SG == kXBlock, "a minimum per 32 weights (x.xsum)");
+  const int64_t K = x.K, steps = K / kXBlock;
+  const float* xsum = x.xsum;
   static_assert(T::B == kXBlock || G == 8 || G == 16, "K-quant super-blocks: 8 scales (and mins) or 16 scales");
   SuperScales block_scales;  // of the super-block being read (several groups per block)
   for (int64_t n = n0; n < n1; ++n) {
@@ -313,7 +312,7 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
         if constexpr (T::HAS_MIN) {  // minv = -m, per block: the next kGroupSteps sums of x
           const __m128 mv = halves(2);
           for (int m = 0; m < M; ++m) {
-            const float* s = xsum + m * groups + col / kXBlock;
+            const float* s = xsum + m * steps + col / kXBlock;
             mins[m] = _mm_fnmadd_ps(mv, kGroupSteps == 4 ? _mm_loadu_ps(s) : load_two(s), mins[m]);
           }
         }
@@ -326,7 +325,7 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
           if constexpr (T::HAS_MIN) {  // G == 8 minimums, each times its 32 columns' sum of x
             const __m128 mlo = _mm256_castps256_ps128(block_scales.minv), mhi = _mm256_extractf128_ps(block_scales.minv, 1);
             for (int m = 0; m < M; ++m) {
-              const float* xs = xsum + m * groups + b * G;
+              const float* xs = xsum + m * steps + b * G;
               mins[m] = _mm_fmadd_ps(mhi, _mm_loadu_ps(xs + 4), _mm_fmadd_ps(mlo, _mm_loadu_ps(xs), mins[m]));
             }
           }
@@ -381,8 +380,9 @@ template <class T, int M>
 void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
   constexpr int G = T::B / T::SG;
-  const int64_t K = x.K, blocks = K / T::B, groups = K / T::SG;
-  const float* xsum = T::SG == 16 ? x.xsum16 : x.xsum32;
+  static_assert(!T::HAS_MIN || T::SG == kXBlock, "a minimum per 32 weights (x.xsum)");
+  const int64_t K = x.K, blocks = K / T::B, steps = K / kXBlock;
+  const float* xsum = x.xsum;
   typename T::Block d;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -403,7 +403,7 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
       }
       if constexpr (T::HAS_MIN)
         for (int g = 0; g < G; ++g)
-          for (int m = 0; m < M; ++m) mins[m] += d.minv[g] * xsum[m * groups + b * G + g];
+          for (int m = 0; m < M; ++m) mins[m] += d.minv[g] * xsum[m * steps + b * G + g];
     }
     for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] - mins[m];
   }
@@ -457,10 +457,6 @@ std::vector<torch::Tensor> gemv(torch::Tensor x, std::vector<torch::Tensor> bloc
   for (const Part& p : parts) outputs.push_back(x.scalar_type() == torch::kFloat32 ? p.y : p.y.to(x.scalar_type()));
   return outputs;
 }
-
-}  // namespace strata_cpu
-
-namespace strata_cpu {
 
 torch::Tensor gemv_experts(torch::Tensor x, torch::Tensor blocks, int64_t qtype, int64_t N,
                            std::vector<int64_t> experts, std::vector<int64_t> starts, std::vector<int64_t> counts) {

@@ -26,26 +26,24 @@ __all__ = ["Model", "ModelArgs"]
 class ModelArgs(llama.ModelArgs):
     n_experts: int = 0
     experts_per_token: int = 0
-    expert_ffn_dim: int = 0
     norm_topk: bool = True
 
     @classmethod
     def from_config(cls, config: ModelConfig, vocab_size: int) -> "ModelArgs":
-        base = llama.ModelArgs.from_config.__func__(llama.ModelArgs, config, vocab_size)
-        experts = int(config.arch_key("expert_count", 0) or 0)
-        used = int(config.arch_key("expert_used_count", 0) or 0)
-        if experts < 1 or not 1 <= used <= experts:
+        base = llama.ModelArgs.from_config(config, vocab_size)
+        experts = config.experts()
+        if experts is None or not 1 <= experts.per_token <= experts.count:
+            got = (0, 0) if experts is None else (experts.count, experts.per_token)
             raise ModelFileError(f"{config.architecture}: needs {config.architecture}.expert_count >= 1 and "
-                                 f"1 <= expert_used_count <= expert_count, got {experts} and {used}")
-        return cls(**{f.name: getattr(base, f.name) for f in fields(base)}, n_experts=experts,
-                   experts_per_token=used,
-                   expert_ffn_dim=int(config.arch_key("expert_feed_forward_length", 0) or 0),
+                                 f"1 <= expert_used_count <= expert_count, got {got[0]} and {got[1]}")
+        return cls(**{f.name: getattr(base, f.name) for f in fields(base)}, n_experts=experts.count,
+                   experts_per_token=experts.per_token,
                    norm_topk=bool(config.arch_key("expert_weights_norm", True)))
 
 
 class Block(llama.Block):
     def feed_forward(self, args: ModelArgs, layer: int, w, backend):
-        return MoEFeedForward(layer, w, backend, args.experts_per_token, args.norm_topk, silu_mul)
+        return MoEFeedForward(layer, w, backend, args.n_experts, args.experts_per_token, args.norm_topk, silu_mul)
 
 
 class Model(llama.Model):

@@ -65,7 +65,7 @@ _cold_outputs: dict[tuple, list] = {}
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.5], ids=["every-call", "random-subset"])
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", [p for p in POINTS if p != "recurrent_copy"])  # Gemma keeps no recurrent state
 def test_every_fault_point_is_survived(model_file, point, rate):
     engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=512,
                                  conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)

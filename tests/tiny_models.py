@@ -68,19 +68,38 @@ def random_k_blocks(rng, qtype: GGMLQuantizationType, shape: tuple[int, ...], st
     return blocks.reshape(*shape[:-1], -1)
 
 
-def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
-                     qtype: GGMLQuantizationType = GGMLQuantizationType.F32, yarn: tuple[float, int] | None = None,
-                     rope_freqs: np.ndarray | None = None) -> Path:
-    """A ``arch`` GGUF with random weights scaled so the logits are peaked;
-    the projections stored as ``qtype``, norms and biases as F32. ``yarn``:
-    (factor, original context) as ``rope.scaling.*``; ``rope_freqs``: llama3's
-    per-frequency divisors as the ``rope_freqs.weight`` tensor."""
-    rng = np.random.default_rng(seed)
+class RandomTensors:
+    """Adds random tensors to a GGUF being written: ``weight`` (projections,
+    stored as ``qtype`` where ``quantized``, else F32) and ``vector`` (norms,
+    biases: F32 about ``around``)."""
+
+    def __init__(self, writer: GGUFWriter, rng, qtype: GGMLQuantizationType):
+        self.w, self.rng, self.qtype = writer, rng, qtype
+
+    def weight(self, name: str, rows: int, cols: int, scale: float, quantized: bool = True, experts: int = 0) -> None:
+        shape = (experts, rows, cols) if experts else (rows, cols)
+        if quantized and self.qtype in K_QUANT_SPREAD:  # gguf-py cannot quantize these: random blocks
+            data = random_k_blocks(self.rng, self.qtype, shape, scale)
+            self.w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=self.qtype)
+            return
+        array = (self.rng.standard_normal(shape) * scale).astype(np.float32)
+        if quantized and self.qtype != GGMLQuantizationType.F32:
+            data = quantize(array, self.qtype)
+            self.w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=self.qtype)
+        else:
+            self.w.add_tensor(name, array)
+
+    def vector(self, name: str, n: int, around: float, spread: float) -> None:
+        self.w.add_tensor(name, (around + self.rng.standard_normal(n) * spread).astype(np.float32))
+
+
+def new_writer(path: Path, arch: str, shape, context: int, rotary_dim: int) -> tuple[GGUFWriter, int]:
+    """A GGUF writer for ``arch`` with the sizes of ``shape`` (hidden, layers,
+    ffn, heads, kv_heads, head_dim) and the test vocabulary written; (writer, vocabulary size)."""
     tokens, merges = bpe_vocabulary()
-    vocab = len(tokens)
     s = shape
     w = GGUFWriter(str(path), arch)
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_embedding_length(s.hidden)
     w.add_block_count(s.layers)
     w.add_feed_forward_length(s.ffn)
@@ -88,16 +107,8 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
     w.add_head_count_kv(s.kv_heads)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_dimension_count(rotary_dim)
     w.add_rope_freq_base(10000.0)
-    if yarn is not None:
-        w.add_rope_scaling_type(RopeScalingType.YARN)
-        w.add_rope_scaling_factor(yarn[0])
-        w.add_rope_scaling_orig_ctx_len(yarn[1])
-    if arch == "qwen3moe":
-        w.add_expert_count(s.experts if s.told_experts is None else s.told_experts)
-        w.add_expert_used_count(s.experts_per_token)
-        w.add_expert_feed_forward_length(s.expert_ffn)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
@@ -107,22 +118,35 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
+    return w, len(tokens)
 
-    def weight(name: str, rows: int, cols: int, scale: float, quantized: bool = True, experts: int = 0) -> None:
-        shape = (experts, rows, cols) if experts else (rows, cols)
-        if quantized and qtype in K_QUANT_SPREAD:  # gguf-py cannot quantize these: random blocks
-            data = random_k_blocks(rng, qtype, shape, scale)
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-            return
-        array = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if quantized and qtype != GGMLQuantizationType.F32:
-            data = quantize(array, qtype)
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, array)
 
-    def vector(name: str, n: int, around: float, spread: float) -> None:
-        w.add_tensor(name, (around + rng.standard_normal(n) * spread).astype(np.float32))
+def finish_writer(w: GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
+                     qtype: GGMLQuantizationType = GGMLQuantizationType.F32, yarn: tuple[float, int] | None = None,
+                     rope_freqs: np.ndarray | None = None) -> Path:
+    """A ``arch`` GGUF with random weights scaled so the logits are peaked;
+    the projections stored as ``qtype``, norms and biases as F32. ``yarn``:
+    (factor, original context) as ``rope.scaling.*``; ``rope_freqs``: llama3's
+    per-frequency divisors as the ``rope_freqs.weight`` tensor."""
+    s = shape
+    w, vocab = new_writer(path, arch, s, 256, s.head_dim)
+    t = RandomTensors(w, np.random.default_rng(seed), qtype)
+    weight, vector = t.weight, t.vector
+    if yarn is not None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
+    if arch == "qwen3moe":
+        w.add_expert_count(s.experts if s.told_experts is None else s.told_experts)
+        w.add_expert_used_count(s.experts_per_token)
+        w.add_expert_feed_forward_length(s.expert_ffn)
 
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     weight("token_embd.weight", vocab, s.hidden, 1.0, quantized=False)
@@ -154,10 +178,7 @@ def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
     vector("output_norm.weight", s.hidden, 1.0, 0.1)
     if not s.tied:
         weight("output.weight", vocab, s.hidden, 4 * s.hidden ** -0.5)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
     return path
 
 

@@ -47,7 +47,7 @@ CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qdot_cpu.cpp", "dequant_cpu.cpp", "decode_cpu.cpp", "decode_block_cpu.cpp",
-                                                 "bindings.cpp")]
+                                                 "recurrent_cpu.cpp", "bindings.cpp")]
 
 # Variant -> (compiler flags, /proc/cpuinfo flags it needs), best first.
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"})
@@ -343,6 +343,21 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` (float32 or bfloat16, one shape
     and dtype) in one call, float32 inside, rounded once."""
     return built().gated_mul(gate, up, 0)
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``recurrent.delta_rule_step`` in one call (float32 throughout): each
+    sequence's ``[Dk, Dv]`` state per value head read twice (the second time
+    from cache) and written once, in place in its slot of ``state``."""
+    return built().delta_rule_step(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                                   g.float().contiguous(), beta.float().contiguous(), state, slots.contiguous())
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``recurrent.causal_conv_step`` in one call (float32): each sequence's
+    window in its slot of ``conv`` shifted in place."""
+    return built().conv_step(x.float().contiguous(), weight, conv, slots.contiguous())
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

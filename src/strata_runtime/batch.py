@@ -12,7 +12,7 @@ from strata_kernels import KVStore
 from strata_kernels.attention import cpu_decode_reads, decode_attention
 from strata_kernels.paging import BlockTables
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, RecurrentRuns
 
 
 class Batch:
@@ -58,7 +58,7 @@ class Batch:
         if tables is None:
             store = self.caches[0].stores[layer]
             tables = BlockTables.of([c.blocks[g] for c in self.caches[:self.decoding]],
-                                    self.pool.groups[g].block_size, store.k.device)
+                                    self.pool.groups[g].block_size, store.k.device)  # an attention layer's
             self._decode_tables[g] = tables
         return tables
 
@@ -79,6 +79,19 @@ class Batch:
                                                backend))
             at += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def recurrent_runs(self, layer: int, rows: int) -> RecurrentRuns:
+        """How this step's rows meet recurrent ``layer``: the decoding
+        sequences' slots (one row each), then each prompt chunk's run."""
+        if rows != self.rows:
+            raise ValueError(f"the step has {self.rows} rows, the layer got {rows}")
+        store = self.caches[0].stores[layer]
+        slots = [cache.recurrent_slot(layer) for cache in self.caches]
+        d = self.decoding
+        decode = torch.tensor(slots[:d], device=store.device) if d else None
+        starts = [d + sum(self.counts[d:i]) for i in range(d, len(self.caches))]
+        return RecurrentRuns(store, decode, [(at, n, slot) for at, n, slot in
+                                             zip(starts, self.counts[d:], slots[d:])])
 
     def decode_view(self, layer: int, positions: torch.Tensor) -> tuple[KVStore, int | None, BlockTables] | None:
         """Where every sequence decodes one position: ``layer``'s store,

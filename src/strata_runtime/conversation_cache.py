@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from strata_kernels.recurrent import RecurrentStore
+
 from .kv_cache import KVCache, store_fields
 from .memory import MiB
 from .staging import Lease, StagingPool
@@ -88,7 +90,8 @@ class _Stored:
 class Snapshot:
     """A parked sequence: ``tokens`` (whose KV it holds) and, per layer, the
     positions its store still held: ``0..length-1`` for full-attention layers,
-    the ring's last ``capacity`` positions for sliding ones. Only a request of
+    the ring's last ``capacity`` positions for sliding ones, the state after
+    the last token for recurrent ones. Only a request of
     the same ``scope`` may restore it."""
 
     tokens: tuple[int, ...]
@@ -103,8 +106,9 @@ class Snapshot:
 
 @dataclass
 class Checkpoint:
-    """Running state at ``position`` of the sequence ``tokens``: the last
-    ``window`` positions of every sliding-window layer. ``root`` checkpoints
+    """Running state at ``position`` of the sequence ``tokens``
+    (``KVCache.running_state``): the last ``window`` positions of every
+    sliding-window layer and the state of every recurrent layer. ``root`` checkpoints
     (the end of a system prompt) are never evicted. Only a request of the
     same ``scope`` may restore it."""
 
@@ -126,12 +130,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def ring_serves(length: int, capacity: int, window: int, position: int) -> bool:
-    """Whether a ring written up to ``length`` still holds what a query at
-    ``position`` (<= length) reaches back to."""
-    return length - capacity <= max(0, position - window + 1)
 
 
 class ConversationCache:
@@ -247,6 +245,8 @@ class ConversationCache:
             stop = end if upto is None else min(end, upto)
             for pos, slot, n in cache.slot_runs(layer, first, stop):
                 pieces.append((layer, name, slot, n, offset + (pos - first) * row, n * row))
+        if any(isinstance(cache.stores[layer], RecurrentStore) for layer, *_ in pieces):
+            fault_point("recurrent_copy", stage)
         if cache.remote is not None and cache.remote.is_remote(stage):
             cache.remote.copy_stage(cache, stage, pieces, stored.lease, to_pool)
             return
@@ -300,15 +300,15 @@ class ConversationCache:
         """Save the running state of ``cache`` at its current length (``tokens`` are its tokens)."""
         tokens = tuple(tokens[:cache.length])
         p = len(tokens)
-        sliding = [(i, max(0, p - w), p) for i, w in enumerate(cache.windows) if w is not None]
-        if not sliding:
+        running = cache.running_state(p)
+        if not running:
             return self._record(Skipped("checkpoint save skipped (no running state)", "no_running_state"), "checkpoint")
         for c in self.checkpoints:
             if c.tokens == tokens and c.scope == scope:
                 c.root |= root
                 c.last_used = time.monotonic()
                 return self._record(Saved(p, c.stored.nbytes), "checkpoint")
-        stored = self._store(cache, sliding, "checkpoint_copy", f"a checkpoint at {p}")
+        stored = self._store(cache, running, "checkpoint_copy", f"a checkpoint at {p}")
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"checkpoint save skipped ({stored.reason})", stored.cause), "checkpoint")
         self.checkpoints.append(Checkpoint(tokens, stored, root, scope))
@@ -329,8 +329,7 @@ class ConversationCache:
     def _plan_restore(self, cache: KVCache, length: int, shared: int, prompt, scope: str):
         """Where a source holding ``length`` positions (``shared`` of them
         matching the prompt) can restart: (position, checkpoint or None)."""
-        if all(w is None or ring_serves(length, cache.capacity(i), w, shared)
-               for i, w in enumerate(cache.windows)):
+        if cache.resumes(length, shared):
             return shared, None
         cp = self._best_checkpoint(prompt, shared, scope)
         return (cp.position, cp) if cp else (0, None)

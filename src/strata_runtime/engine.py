@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from strata_kernels import KVStore
+
 from .chat_prompt import TurnMarker, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
 from .conversation_cache import ConversationCache
@@ -386,8 +388,9 @@ class Engine:
             "stages": self._stages(),
             "backend": [b.describe() for b in self.model.backends if b.kernels != "meta"],
             "kv": self.config.kv,
-            "kv_storage": str(self.scheduler.pool.stores[0].k.dtype).removeprefix("torch."),
+            "kv_storage": self._kv_storage(),
             "kv_bytes_per_token": self.scheduler.pool.bytes_per_token(),
+            "recurrent_bytes_per_sequence": self.scheduler.pool.recurrent_bytes(),
             "kv_bytes": self.scheduler.pool.nbytes,
             "parallel": self.scheduler.max_running,
             "kv_blocks": self.scheduler.pool.total_blocks(),
@@ -398,6 +401,11 @@ class Engine:
         }
 
     # --- internals --------------------------------------------------------
+
+    def _kv_storage(self) -> str:
+        """The dtype the attention layers' KV is stored in (recurrent state is float32)."""
+        store = next((s for s in self.scheduler.pool.stores if isinstance(s, KVStore)), None)
+        return "none" if store is None else str(store.k.dtype).removeprefix("torch.")
 
     def _compute_path_state(self) -> dict[str, str]:
         """What ``dtype`` resolved to here, and why (``compute_path``)."""

@@ -1,7 +1,13 @@
-"""KV storage reserved once as blocks (``KVPool``), and one sequence's view of it (``KVCache``)."""
+"""Sequence state reserved once as blocks (``KVPool``), and one sequence's view of it (``KVCache``).
+
+Attention layers keep keys and values per position; recurrent layers
+(``state.RecurrentState``) keep one state per sequence, held as a block of
+one "position" (the state after the sequence's last token) in a group of
+their own, so reserving, releasing and copying treat both alike."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -10,9 +16,10 @@ import torch
 from strata_kernels import KV_FORMATS, KVStore, attention, kv_write_consecutive, write_and_attend
 from strata_kernels.attention import cpu_decode_reads
 from strata_kernels.paging import BlockTables
+from strata_kernels.recurrent import RecurrentStore
 
 from .placement import Placement
-from .state import BLOCK_SIZE, PREFILL_CHUNK, LayerState  # noqa: F401  (PREFILL_CHUNK: re-exported for the prefill loop)
+from .state import BLOCK_SIZE, PREFILL_CHUNK, RECURRENT, LayerState, RecurrentState  # noqa: F401  (PREFILL_CHUNK: re-exported)
 
 
 @dataclass(frozen=True)
@@ -26,20 +33,40 @@ class CacheSnapshot:
     layers: list[dict[str, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class RecurrentRuns:
+    """The rows of a step as a recurrent layer meets them: rows
+    ``0..len(decode)-1`` are one token each of the sequences whose states
+    are in slots ``decode`` (a tensor on the store's device, or None), then
+    ``prefill`` runs ``(first row, rows, slot)`` of one sequence each."""
+
+    store: RecurrentStore
+    decode: torch.Tensor | None
+    prefill: list[tuple[int, int, int]]
+
+
 class BlockGroup:
-    """The layers of one window share block ids: block ``b`` of the group is
-    slots ``b * block_size ..`` of each of its layers' stores.
+    """The layers of one window (``key``: the window, None for full
+    attention, ``RECURRENT`` for recurrent layers) share block ids: block
+    ``b`` of the group is slots ``b * block_size ..`` of each of its layers'
+    stores.
 
     Invariant: ``free`` and the blocks the group's sequences hold partition
     ``0..n_blocks-1``; a sequence holds at most ``ring_blocks`` (a sliding
-    window's ring; None: a full-attention layer, which grows)."""
+    window's ring; None: a full-attention layer, which grows). A recurrent
+    group's blocks are one slot each, one per sequence (``ring_blocks`` 1)."""
 
-    def __init__(self, window: int | None, block_size: int, n_blocks: int, ring_blocks: int | None):
-        self.window = window
+    def __init__(self, key: int | str | None, block_size: int, n_blocks: int, ring_blocks: int | None):
+        self.key = key
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.ring_blocks = ring_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...: adjacent blocks merge runs
+
+    @property
+    def grows(self) -> bool:
+        """Whether a sequence may take more blocks as it grows (not a recurrent slot)."""
+        return self.key != RECURRENT
 
     def blocks_for(self, positions: int) -> int:
         """Blocks a sequence of ``positions`` holds in this group."""
@@ -56,27 +83,33 @@ class KVPool:
     ``private`` pools are one sequence's own (one block per group, as big
     as the sequence's capacity: the plain ring of a cache)."""
 
-    def __init__(self, fmt: str, spec: Sequence[LayerState], groups: dict[int | None, tuple[int, int, int | None]],
+    def __init__(self, fmt: str, spec: Sequence[LayerState], groups: dict[int | str | None, tuple[int, int, int | None]],
                  devices: Sequence, activations: torch.dtype, layer_stages: Sequence[int], stage: int | None,
                  float_dtype: torch.dtype | None, private: bool = False, allocate: bool = True):
-        """``groups``: per window, (block size, blocks, ring blocks or None).
+        """``groups``: per group key (``LayerState.group``), (block size,
+        blocks, ring blocks or None).
         ``allocate=False``: the stores are shapes on the meta device (sizing only)."""
         if fmt not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
         self.fmt = fmt
         self.spec = list(spec)
         self.private = private
-        self.groups = [BlockGroup(w, *groups[w]) for w in sorted(groups, key=lambda w: (w is not None, w or 0))]
-        index = {g.window: i for i, g in enumerate(self.groups)}
-        self.layer_group = [index[layer.window] for layer in self.spec]
+        self.groups = [BlockGroup(key, *groups[key]) for key in sorted(groups, key=_group_order)]
+        index = {g.key: i for i, g in enumerate(self.groups)}
+        self.layer_group = [index[layer.group] for layer in self.spec]
         self.layer_stages = list(layer_stages)
         self.stores = []
         for layer, device, owner, g in zip(self.spec, devices, self.layer_stages, self.layer_group):
             dtype = float_dtype or f16_storage_dtype(device, activations)
             held_here = (stage is None or owner == stage) and allocate
             group = self.groups[g]
-            self.stores.append(KVStore.allocate(fmt, group.n_blocks * group.block_size, layer.kv_heads,
-                                                layer.head_dim, device if held_here else "meta", dtype))
+            where = device if held_here else "meta"
+            if isinstance(layer, RecurrentState):
+                self.stores.append(RecurrentStore.allocate(group.n_blocks, layer.conv_window, layer.channels,
+                                                           layer.v_heads, layer.d_k, layer.d_v, where))
+            else:
+                self.stores.append(KVStore.allocate(fmt, group.n_blocks * group.block_size, layer.kv_heads,
+                                                    layer.head_dim, where, dtype))
 
     @classmethod
     def for_sequences(cls, fmt: str, spec: Sequence[LayerState], placement: Placement, sequences: float,
@@ -86,9 +119,12 @@ class KVPool:
         tokens each, in blocks of ``block_size``."""
         groups = {}
         for layer in spec:
+            if isinstance(layer, RecurrentState):  # a slot per sequence
+                groups[layer.group] = (1, max(1, math.ceil(sequences)), 1)
+                continue
             ring = None if layer.window is None else -(-layer.capacity(context) // block_size)
             per_sequence = ring if ring is not None else -(-context // block_size)
-            groups[layer.window] = (block_size, max(1, int(sequences * per_sequence)), ring)
+            groups[layer.group] = (block_size, max(1, int(sequences * per_sequence)), ring)
         return cls(fmt, spec, groups, placement.layer_devices, activations, placement.layer_stages,
                    placement.stage, None, allocate=allocate)
 
@@ -108,12 +144,23 @@ class KVPool:
         return sum(g.n_blocks for g in self.groups)
 
     def bytes_per_token(self) -> int:
-        """What one more token of context costs, all layers, scales included."""
-        return sum(s.bytes_per_slot() for s in self.stores)
+        """What one more token of context costs, all attention layers, scales included."""
+        return sum(s.bytes_per_slot() for s in self.stores if isinstance(s, KVStore))
+
+    def recurrent_bytes(self) -> int:
+        """What one sequence's recurrent state takes, all recurrent layers."""
+        return sum(s.bytes_per_slot() for s in self.stores if isinstance(s, RecurrentStore))
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.stores)
+
+
+def _group_order(key: int | str | None) -> tuple[int, int]:
+    """Full attention first, then sliding windows by size, then recurrent layers."""
+    if key is None:
+        return (0, 0)
+    return (2, 0) if key == RECURRENT else (1, key)
 
 
 class KVCache:
@@ -148,7 +195,8 @@ class KVCache:
         spec = list(spec)
         if pool is None:
             devices = list(devices) if isinstance(devices, (list, tuple)) else [devices] * len(spec)
-            capacity = {layer.window: layer.capacity(max_tokens) if ring else max_tokens for layer in spec}
+            capacity = {layer.group: layer.capacity(max_tokens) if ring or layer.group == RECURRENT else max_tokens
+                        for layer in spec}
             pool = KVPool(fmt, spec, {w: (c, 1, 1) for w, c in capacity.items()}, devices, activations,
                           layer_stages if layer_stages is not None else [0] * len(spec), stage, float_dtype,
                           private=True)
@@ -156,6 +204,7 @@ class KVCache:
         self.fmt = pool.fmt
         self.spec = pool.spec
         self.windows = [layer.window for layer in self.spec]
+        self.recurrent_layers = [i for i, layer in enumerate(self.spec) if isinstance(layer, RecurrentState)]
         self.max_tokens = max_tokens
         self.layer_stages = pool.layer_stages
         self.stores = pool.stores
@@ -240,8 +289,9 @@ class KVCache:
         if table is None:
             if not self.blocks[g]:
                 raise ValueError("the sequence holds no blocks: reserve() them before a step writes")
-            table = BlockTables.of([self.blocks[g]], self.pool.groups[g].block_size, self.stores[layer].k.device
-                                   if self.stores[layer].k.device.type != "meta" else "cpu")
+            device = store_device(self.stores[layer])
+            table = BlockTables.of([self.blocks[g]], self.pool.groups[g].block_size,
+                                   device if device.type != "meta" else "cpu")
             self._tables[g] = table
         return table
 
@@ -309,16 +359,63 @@ class KVCache:
     def trim(self, length: int) -> int:
         """Forget positions from ``length`` on, where every layer can; return
         the new length. A ring that has already overwritten what the kept
-        prefix needs cannot be cut back: then the cache empties (0)."""
+        prefix needs, or a recurrent state (which holds only the last
+        position's), cannot be cut back: then the cache empties (0)."""
         length = min(self.length, max(0, length))
-        for layer, w in enumerate(self.windows):
-            oldest_kept = self.length - self.capacity(layer)
-            # The next query (at ``length``) reaches back to ``length - w + 1``.
-            if w is not None and oldest_kept > max(0, length - w + 1):
-                length = 0
-                break
+        if not self.resumes(self.length, length):
+            length = 0
         self.length = length
         return length
+
+    def resumes(self, length: int, position: int) -> bool:
+        """Whether this sequence's state, written up to ``length``, can go on
+        from ``position`` (<= ``length``) with nothing restored: every
+        sliding ring still holds what a query at ``position`` reaches back to
+        (``position - window + 1``), and every recurrent state is at ``position``."""
+        if position == 0 or position == length:
+            return True
+        if self.recurrent_layers:
+            return False
+        return all(w is None or length - self.capacity(layer) <= max(0, position - w + 1)
+                   for layer, w in enumerate(self.windows))
+
+    @property
+    def has_running_state(self) -> bool:
+        """Whether some layer keeps only recent state (a ring, a recurrent
+        state): a prefix of the sequence may then need a checkpoint to resume."""
+        return any(w is not None for w in self.windows) or bool(self.recurrent_layers)
+
+    def running_state(self, position: int) -> list[tuple[int, int, int]]:
+        """``(layer, first, end)``: what a checkpoint at ``position`` keeps
+        (the sequence written up to it): each sliding layer's last ``window``
+        positions and each recurrent layer's state (its one "position",
+        ``position - 1``); with the full-attention layers' positions from
+        another source, the sequence resumes at ``position``."""
+        out = []
+        for layer, w in enumerate(self.windows):
+            if w is not None:
+                out.append((layer, max(0, position - w), position))
+            elif layer in self.recurrent_layers:
+                out.append((layer, position - 1, position))
+        return out
+
+    def recurrent_slot(self, layer: int) -> int:
+        """This sequence's slot in recurrent ``layer``'s store (held: a step
+        has checked its write), cleared where the sequence starts (length 0)."""
+        slot = self.blocks[self.pool.layer_group[layer]][0]
+        if self.length == 0:
+            self.stores[layer].clear(slot)
+        return slot
+
+    def recurrent_runs(self, layer: int, rows: int) -> "RecurrentRuns":
+        """How a step of ``rows`` positions of this sequence meets recurrent
+        ``layer``: one decode row, or one run of prompt rows."""
+        self.check_write(self.length, rows)
+        slot = self.recurrent_slot(layer)
+        store = self.stores[layer]
+        if rows == 1:
+            return RecurrentRuns(store, torch.tensor([slot], device=store.device), [])
+        return RecurrentRuns(store, None, [(0, rows, slot)])
 
     def reset(self) -> None:
         self.length = 0
@@ -337,7 +434,7 @@ class KVCache:
         if not self.reserve(n):
             return False
         for layer, store in enumerate(self.stores):
-            positions = torch.arange(max(0, n - self.capacity(layer)), n, device=store.k.device)
+            positions = torch.arange(max(0, n - self.capacity(layer)), n, device=store_device(store))
             src, dst = source.tables(layer).slots(0, positions), self.tables(layer).slots(0, positions)
             for t in store_fields(store).values():
                 t[dst] = t[src]
@@ -364,7 +461,7 @@ class KVCache:
         """Slots of the positions ``layer`` keeps of the first ``length``, in position order."""
         first = max(0, length - self.capacity(layer))
         store = self.stores[layer]
-        return self.tables(layer).slots(0, torch.arange(first, length, device=store.k.device))
+        return self.tables(layer).slots(0, torch.arange(first, length, device=store_device(store)))
 
     def export(self) -> CacheSnapshot:
         layers = []
@@ -391,12 +488,19 @@ class KVCache:
         self.length = snapshot.length
 
 
-def store_fields(store: KVStore) -> dict[str, torch.Tensor]:
-    """A layer store's tensors by name (scales only where the format has them)."""
+def store_fields(store: KVStore | RecurrentStore) -> dict[str, torch.Tensor]:
+    """A layer store's tensors by name, each indexed by slot first (KV:
+    scales only where the format has them; recurrent: conv window and state)."""
+    if isinstance(store, RecurrentStore):
+        return store.fields()
     out = {"k": store.k, "v": store.v}
     if store.k_scales is not None:
         out.update(k_scales=store.k_scales, v_scales=store.v_scales)
     return out
+
+
+def store_device(store: KVStore | RecurrentStore) -> torch.device:
+    return store.device if isinstance(store, RecurrentStore) else store.k.device
 
 
 def f16_storage_dtype(device: torch.device | str, activations: torch.dtype = torch.float32) -> torch.dtype:

@@ -232,15 +232,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, cpu_kernel: bool = False) -> 
 
 class GatedMLP(nn.Module):
     """``down(act_mul(gate(x), up(x)))`` over layer ``layer``'s ``ffn_gate``,
-    ``ffn_up`` and ``ffn_down``; ``act_mul`` is the fused ``act(gate) * up``
+    ``ffn_up`` and ``ffn_down`` (each name followed by ``suffix``: ``_shexp``
+    for a MoE's shared expert); ``act_mul`` is the fused ``act(gate) * up``
     (``gelu_tanh_mul`` for Gemma, ``silu_mul`` for Llama and Qwen)."""
 
-    def __init__(self, layer: int, w, backend: Backend, act_mul):
+    def __init__(self, layer: int, w, backend: Backend, act_mul, suffix: str = ""):
         super().__init__()
         p = f"blk.{layer}."
-        self.gate = Linear(w(p + "ffn_gate.weight"), backend)
-        self.up = Linear(w(p + "ffn_up.weight"), backend)
-        self.down = Linear(w(p + "ffn_down.weight"), backend)
+        self.gate = Linear(w(f"{p}ffn_gate{suffix}.weight"), backend)
+        self.up = Linear(w(f"{p}ffn_up{suffix}.weight"), backend)
+        self.down = Linear(w(f"{p}ffn_down{suffix}.weight"), backend)
         self.gate_up = Projections(self.gate, self.up)
         self.act_mul = act_mul
         self.cpu_kernel = backend.cpu_kernels

@@ -236,8 +236,8 @@ class Scheduler:
         return seqs, counts
 
     def _after_rows(self, seq: Generation, logits: torch.Tensor) -> None:
+        self._checkpoint(seq)
         if seq.state == PREFILLING:
-            self._checkpoint(seq)
             if seq.cache.length < len(seq.tokens):
                 return  # more prompt to read
             seq.state = DECODING
@@ -260,7 +260,11 @@ class Scheduler:
     def _checkpoint(self, seq: Generation) -> None:
         """Running state saved where a prompt chunk stopped at a checkpoint position."""
         cc, p = self.conversations, seq.cache.length
-        if cc is not None and p in seq.checkpoints and any(w is not None for w in seq.cache.windows):
+        if cc is None or not seq.cache.has_running_state:
+            return
+        # Prompt positions chosen at admission; while decoding, every ``checkpoint_every``
+        # tokens (a returning conversation may part from the cached one inside the answer).
+        if p in seq.checkpoints or (seq.state == DECODING and cc.checkpoint_every and p % cc.checkpoint_every == 0):
             cc.save_checkpoint(seq.cache, seq.tokens[:p], root=p == seq.root, scope=seq.scope)
 
     # --- admission, preemption, residency ------------------------------------------------
@@ -278,7 +282,7 @@ class Scheduler:
             seq.cache = cache
             seq.state = PREFILLING if cache.length < len(seq.tokens) else DECODING
             cc = self.conversations
-            if cc is not None and any(w is not None for w in cache.windows):
+            if cc is not None and cache.has_running_state:
                 # Running state cannot be cut back: save it on the way (every N tokens, at turn boundaries).
                 seq.checkpoints = tuple(cc.checkpoint_positions(cache.length, len(seq.prompt) - 1, seq.boundaries))
             seq.admitted = next(self._admissions)
@@ -326,6 +330,10 @@ class Scheduler:
                 cache.reset()
             else:
                 cache = KVCache.on_pool(self.pool, self.context_length)
+                # A restore needs the blocks of what it restores (a recurrent
+                # state's slot among them): residents give theirs up first.
+                while on_host and not cache.reserve(on_host) and self._evict_resident():
+                    pass
             held = ()
         if held and shared == len(held):
             kept = shared  # the prompt extends it: carry on
@@ -356,9 +364,11 @@ class Scheduler:
 
     def _room_for(self, cache: KVCache, n: int) -> bool:
         """Whether the pool's free blocks hold ``n`` positions for an empty
-        ``cache`` and leave a block for each running sequence."""
+        ``cache`` and leave a block for each running sequence (in the groups
+        where sequences grow: a recurrent state is one slot for good)."""
         need = cache.blocks_needed(n)
-        return all(k + len(self.running) <= free for k, free in zip(need, self.pool.free_blocks()))
+        return all(k + (len(self.running) if g.grows else 0) <= free
+                   for g, k, free in zip(self.pool.groups, need, self.pool.free_blocks()))
 
     def _reserve_leaving_room(self, cache: KVCache, n: int) -> bool:
         """``cache.reserve(n)`` where that leaves a block free in every group

@@ -108,7 +108,8 @@ class StagingPool:
         headroom = (memory or HostMemory()).headroom()
         requested = requested_bytes // page_bytes * page_bytes
         if requested <= 0:
-            granted, why = 0, "no conversation cache requested"
+            granted, why = 0, ("no conversation cache requested" if requested_bytes <= 0 else
+                                f"less than one page ({page_bytes / MiB:g} MiB) requested")
         elif not headroom.known:
             granted, why = 0, f"refused: {headroom.reason}"
         else:

@@ -4,7 +4,8 @@ A model's ``state_spec()`` (from its ``ModelArgs``, so planning needs no
 weights) lists one entry per layer. Everything that sizes, stores or moves
 state reads this list and nothing about the architecture: the KV cache
 (``kv_cache.KVCache``), the split planner, ``strata info``, the conversation
-cache. Recurrent layers will add their own entry type here.
+cache. Attention layers keep entries per token (``AttentionState``),
+recurrent layers a fixed-size state per sequence (``RecurrentState``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from strata_kernels.kv_quant import bytes_per_token as layer_bytes_per_token
+from strata_kernels.recurrent import RecurrentStore
 
 # Prefill runs in chunks of at most this many tokens, so a sliding-window
 # layer's ring needs only its window plus one chunk of slots.
@@ -43,7 +45,42 @@ class AttentionState:
         return layer_bytes_per_token(kv, self.kv_heads, self.head_dim, float_bytes)
 
 
-LayerState = AttentionState  # the hybrid models add a recurrent kind
+    @property
+    def group(self) -> int | None:
+        """Layers of one group share block ids in a pool: one per window."""
+        return self.window
+
+
+# The block group of every recurrent layer: one "block" per sequence, its state.
+RECURRENT = "recurrent"
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A recurrent layer (Gated DeltaNet) keeps, per sequence, the last
+    ``conv_window`` inputs of its causal convolution (``channels`` wide) and
+    a ``[d_k, d_v]`` matrix per value head: the state after the sequence's
+    last token, whatever its length. It cannot be cut back: a shorter
+    prefix of the sequence needs a copy taken at that position (a checkpoint)."""
+
+    conv_window: int
+    channels: int
+    v_heads: int
+    d_k: int
+    d_v: int
+    window = None  # attends to nothing
+    group = RECURRENT
+
+    def capacity(self, context: int) -> int:
+        """One slot: the state after the last position."""
+        return 1
+
+    def bytes_per_slot(self, kv: str = "", float_bytes: int = 4) -> int:
+        """One sequence's state (float32 whatever the KV format)."""
+        return RecurrentStore.slot_bytes(self.conv_window, self.channels, self.v_heads, self.d_k, self.d_v)
+
+
+LayerState = AttentionState | RecurrentState
 
 
 def kv_bytes(spec: Sequence[LayerState], context: int, kv: str, float_bytes: int) -> int:
@@ -52,5 +89,10 @@ def kv_bytes(spec: Sequence[LayerState], context: int, kv: str, float_bytes: int
 
 
 def kv_bytes_per_token(spec: Sequence[LayerState], kv: str, float_bytes: int) -> int:
-    """What one more token of context costs where no ring has filled: every layer."""
-    return sum(layer.bytes_per_slot(kv, float_bytes) for layer in spec)
+    """What one more token of context costs where no ring has filled: every attention layer."""
+    return sum(layer.bytes_per_slot(kv, float_bytes) for layer in spec if isinstance(layer, AttentionState))
+
+
+def recurrent_bytes(spec: Sequence[LayerState]) -> int:
+    """What the recurrent layers of ``spec`` keep per sequence, whatever its length."""
+    return sum(layer.bytes_per_slot() for layer in spec if isinstance(layer, RecurrentState))

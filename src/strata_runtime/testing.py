@@ -1,8 +1,10 @@
 """Test seams: ``inject_fault`` makes a named point in the runtime raise.
 
 Points: ``park_copy``, ``restore_copy``, ``checkpoint_copy`` (the copies
-between the device cache and the staging pool) and ``staging_lease`` (asking
-the pool for pages). Nothing is armed unless a test arms it.
+between the device cache and the staging pool), ``recurrent_copy`` (within
+any of those, the part holding recurrent layers' state) and
+``staging_lease`` (asking the pool for pages). Nothing is armed unless a
+test arms it (or ``strata serve --inject-fault``, for chaos tests of a server).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "staging_lease")
+POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "recurrent_copy", "staging_lease")
 
 
 @dataclass

@@ -112,6 +112,10 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="delay before the first restart, doubling per crash in the window, capped at 30 s")
     g.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="an engine silent this long is killed and restarted (default 30)")
+    g.add_argument("--inject-fault", action="append", default=[], metavar="POINT[:RATE]", type=_fault,
+                   help="chaos testing: make the engine's copies at POINT fail with out-of-memory, on every call "
+                        "or on a seeded random RATE of them (points: park_copy, restore_copy, checkpoint_copy, "
+                        "recurrent_copy, staging_lease); repeatable")
 
 
 # The argparse destinations that are SamplingParams fields and load() options.
@@ -120,6 +124,22 @@ SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "parallel", "kv_memory_mib",
                   "conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices",
                   "layer_split", "rank_timeout_s")
+
+
+def _fault(text: str) -> str:
+    """``POINT`` or ``POINT:RATE``, checked here (the engine process arms it)."""
+    from strata_runtime.testing import POINTS
+
+    point, _, rate = text.partition(":")
+    if point not in POINTS:
+        raise argparse.ArgumentTypeError(f"unknown fault point {point!r}; points: {', '.join(POINTS)}")
+    try:
+        ok = not rate or 0.0 < float(rate) <= 1.0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"the rate after {point}: must be a number in (0, 1], got {rate!r}")
+    return text
 
 
 def _pick(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -277,6 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_body_bytes=args.max_body_mib * MiB, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
         hang_timeout_s=args.hang_timeout, log_level="info" if args.verbose else "warning",
+        faults=tuple(args.inject_fault),
     )
     if options.get("distributed"):
         # A restarted engine process cannot rejoin the job's ranks: its first crash ends the server.
@@ -313,7 +334,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.kv_cache import f16_storage_bytes, f16_storage_dtype
     from strata_runtime.compute_path import resolve
     from strata_runtime.loader import open_model
-    from strata_runtime.state import kv_bytes, kv_bytes_per_token
+    from strata_runtime.state import RecurrentState, kv_bytes, kv_bytes_per_token, recurrent_bytes
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
     gguf = GGUFFile.open(path)
@@ -349,6 +370,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         stored = f"; stored: {kv_bytes(spec, context, fmt, float_bytes) / MiB:.1f} MiB (sliding layers keep a ring)"
         print(f"  {fmt:<5} {per_token:>7} bytes per token ({per_token / f16:.3f}x f16), "
               f"{per_token * context / MiB:.1f} MiB{stored if rings else ''}")
+    recurrent = [layer for layer in spec if isinstance(layer, RecurrentState)]
+    if recurrent:
+        print(f"recurrent state: {recurrent_bytes(spec) / 1024:.1f} KiB per sequence ({len(recurrent)} recurrent "
+              f"layers: convolution window and delta-rule state, float32, whatever the context)")
     if args.devices or args.layer_split:
         _print_split(gguf, args, context)
     return 0

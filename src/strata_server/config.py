@@ -37,6 +37,7 @@ class ServerConfig:
     ping_interval_s: float = 1.0  # how often the engine is asked whether it is answering
     hang_timeout_s: float = 30.0  # silence after which the engine is killed and restarted
     log_level: str = "info"
+    faults: tuple[str, ...] = ()  # "POINT[:RATE]": copies the engine fails on purpose (chaos tests)
 
     def __post_init__(self) -> None:
         checks = [

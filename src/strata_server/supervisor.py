@@ -209,7 +209,8 @@ class Supervisor:
 
     async def _run_child(self) -> int:
         """Start one engine process, serve through it until it exits; its exit code."""
-        spec = json.dumps({"model": self.config.model, "options": self.config.engine_options})
+        spec = json.dumps({"model": self.config.model, "options": self.config.engine_options,
+                           "faults": list(self.config.faults)})
         self._last_error, self._hung = None, False
         self._proc = proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "strata_server.worker", spec,

@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     cancelled: set = set()
     threading.Thread(target=_read_commands, args=(sys.stdin.buffer, channel, inbox, cancelled),
                      name="commands", daemon=True).start()
+    for fault in spec.get("faults", ()):
+        _arm(fault)
     try:
         from strata_runtime import load
 
@@ -209,6 +211,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _NOTHING = object()  # no command waiting
+
+
+_ARMED: list = []
+
+
+def _arm(fault: str) -> None:
+    """``--inject-fault POINT[:RATE]``, armed for the life of this process."""
+    from strata_runtime.testing import inject_fault
+
+    point, _, rate = fault.partition(":")
+    armed = inject_fault(point, rate=float(rate or 1.0), seed=os.getpid())
+    armed.__enter__()
+    _ARMED.append(armed)  # held: a collected context manager would disarm it
+    log.warning("fault injection: %s fails with out-of-memory on %s of its calls", point,
+                f"{float(rate):.0%}" if rate else "all")
 
 
 if __name__ == "__main__":

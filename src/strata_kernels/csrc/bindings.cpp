@@ -25,6 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_block", &strata_cpu::attention_block,
         "a decoder layer's attention half for one position per sequence: x + o(attention(rope(q), rope(k), v)), fused");
   m.def("mlp_block", &strata_cpu::mlp_block, "a decoder layer's MLP half for rows of hidden states: x + down(act(gate) * up)");
+  m.def("delta_rule_step", &strata_cpu::delta_rule_step,
+        "the gated delta rule's step for one token per sequence, each state in its slot, in place");
+  m.def("conv_step", &strata_cpu::conv_step,
+        "the causal depthwise convolution's next output per sequence, its window shifted in place");
   m.attr("max_m") = strata_cpu::kMaxM;
   m.attr("simd") = strata_cpu::kSimd;  // the Lanes the kernels were built with
 }

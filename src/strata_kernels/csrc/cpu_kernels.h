@@ -47,4 +47,9 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::
                         torch::Tensor up, int64_t up_type, torch::Tensor down, int64_t down_type, int64_t act,
                         std::optional<torch::Tensor> post_norm);
 
+// recurrent_cpu.cpp: a recurrent layer's decode step, one token per sequence.
+torch::Tensor delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                              torch::Tensor state, torch::Tensor slots);
+torch::Tensor conv_step(torch::Tensor x, torch::Tensor weight, torch::Tensor conv, torch::Tensor slots);
+
 }  // namespace strata_cpu

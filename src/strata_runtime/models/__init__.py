@@ -12,7 +12,8 @@ from importlib import import_module
 from ..errors import ModelFileError
 
 # general.architecture -> module under strata_runtime.models
-ARCHITECTURES = {"gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe"}
+ARCHITECTURES = {"gemma3": "gemma3", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
+                 "qwen3next": "qwen3next"}
 
 
 def model_module(architecture: str, path=None):

@@ -37,3 +37,5 @@ timeout 120 python3 bench/kernels.py --types Q4_K,Q8_0,IQ4_XS,IQ3_S,Q6_K --shape
 timeout 60 python3 bench/attention.py 2>&1 | tee "$out/attention.txt"
 # 5. Mixture-of-experts matmuls: 128 experts of 768x2048, top-8, M = 1, 8, 512.
 timeout 60 python3 bench/experts.py --types Q4_K,Q8_0 2>&1 | tee "$out/experts.txt"
+# 6. Recurrent layers (Gated DeltaNet): decode step against the bandwidth bound, chunked prefill.
+timeout 60 python3 bench/recurrent.py 2>&1 | tee "$out/recurrent.txt"

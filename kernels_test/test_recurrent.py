@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from strata_kernels.recurrent import (RecurrentStore, causal_conv, causal_conv_step, delta_rule_chunked,
-                                      delta_rule_recurrent, delta_rule_step)
+                                      delta_rule_prefill, delta_rule_recurrent, delta_rule_step)
 
 
 def _inputs(t: int, hk: int, hv: int, dk: int, dv: int, seed: int):
@@ -115,3 +115,43 @@ def test_decode_step_backends_equal_the_reference(backend, shape):
         got = causal_conv_step(x, weight, store.conv, slots, backend)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(store.conv, ref_store.conv)
+
+
+@pytest.mark.skipif(not __import__("strata_kernels").cpu_kernels.available(), reason="the CPU kernels did not build")
+@pytest.mark.parametrize("t", [1, 70])
+def test_the_cpu_prefill_scan_equals_its_decode_steps(t):
+    """On the CPU kernels a prompt runs as one scan (heads in parallel, each
+    state in cache for every token): bit for bit the decode step's arithmetic,
+    token by token, and within rounding of the chunked form."""
+    q, k, v, g, beta, state = _inputs(t, 2, 4, 16, 32, seed=7)
+    scanned_state, stepped = state.clone(), state.clone()[None]
+    scanned = delta_rule_prefill(q, k, v, g, beta, scanned_state, "cpu")
+    slot = torch.zeros(1, dtype=torch.long)
+    steps = torch.cat([delta_rule_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], stepped, slot,
+                                       "cpu") for i in range(t)])
+    assert torch.equal(scanned, steps) and torch.equal(scanned_state, stepped[0])
+    chunked_state = state.clone()
+    torch.testing.assert_close(scanned, delta_rule_chunked(q, k, v, g, beta, chunked_state), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(scanned_state, chunked_state, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 8])
+def test_gpu_decode_step_at_a_real_shape(b):
+    """Qwen3-Next 80B's recurrent heads (16 key, 32 value, 128 x 128): the
+    compiled Triton step and convolution against the torch reference on the GPU."""
+    hk, hv, dk, dv = 16, 32, 128, 128
+    store = RecurrentStore.allocate(16, 3, 2 * hk * dk + hv * dv, hv, dk, dv, "cuda")
+    store.state.normal_(std=0.05)
+    store.conv.normal_()
+    ref = RecurrentStore(store.conv.clone(), store.state.clone())
+    slots = torch.arange(b, device="cuda") * 2
+    q, k, v, g, beta, _ = (t.cuda() for t in _inputs(b, hk, hv, dk, dv, seed=b))
+    got = delta_rule_step(q, k, v, g, beta, store.state, slots, "triton")
+    want = delta_rule_step(q, k, v, g, beta, ref.state, slots)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(store.state, ref.state, atol=1e-4, rtol=1e-4)
+    x, weight = torch.randn(b, store.conv.shape[2], device="cuda"), torch.randn(store.conv.shape[2], 4, device="cuda")
+    torch.testing.assert_close(causal_conv_step(x, weight, store.conv, slots, "triton"),
+                               causal_conv_step(x, weight, ref.conv, slots), atol=1e-4, rtol=1e-4)
+    assert torch.equal(store.conv, ref.conv)

@@ -354,6 +354,15 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                                    g.float().contiguous(), beta.float().contiguous(), state, slots.contiguous())
 
 
+def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> torch.Tensor:
+    """``recurrent.delta_rule_recurrent`` in one call: one sequence's tokens in
+    order, each head's ``[Dk, Dv]`` state (``state`` ``[Hv, Dk, Dv]``,
+    contiguous, updated in place) kept in cache for all of them."""
+    return built().delta_rule_scan(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                                   g.float().contiguous(), beta.float().contiguous(), state)
+
+
 def conv_step(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``recurrent.causal_conv_step`` in one call (float32): each sequence's
     window in its slot of ``conv`` shifted in place."""

@@ -136,10 +136,10 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     hv = v.shape[1]
     q, k = _expand_heads(q.float(), hv), _expand_heads(k.float(), hv)
     s = state[slots] * g.float().exp()[..., None, None]  # [B, Hv, dk, dv]
-    error = v.float() - torch.einsum("bhkv,bhk->bhv", s, k)
+    error = v.float() - (k[..., None, :] @ s).squeeze(-2)
     s = s + k[..., :, None] * (beta.float()[..., None] * error)[..., None, :]
     state[slots] = s
-    return torch.einsum("bhkv,bhk->bhv", s, q)
+    return (q[..., None, :] @ s).squeeze(-2)
 
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -152,6 +152,21 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     out = [delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], view, slot)
            for t in range(q.shape[0])]
     return torch.cat(out)
+
+
+def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """One sequence's prompt rows (``delta_rule_recurrent``'s arguments),
+    ``state`` ``[Hv, dk, dv]`` updated in place: the chunked form (torch; on
+    a GPU its matrix products carry the parallelism a token-by-token scan
+    lacks), or on the compiled CPU kernels the scan (each head's state kept
+    in cache for every token: on a CPU that beats the chunked form, which
+    does more arithmetic; ``bench/recurrent.py``)."""
+    if resolve_backend(state.device, backend) == "cpu":
+        from . import cpu_kernels
+
+        return cpu_kernels.delta_rule_scan(q, k, v, g, beta, state)
+    return delta_rule_chunked(q, k, v, g, beta, state)
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

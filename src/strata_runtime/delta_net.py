@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata_kernels import dequantize
-from strata_kernels.recurrent import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step
+from strata_kernels.recurrent import causal_conv, causal_conv_step, delta_rule_prefill, delta_rule_step
 
 from .backend import Backend
 from .errors import ModelFileError
@@ -125,6 +125,7 @@ class GatedDeltaNet(nn.Module):
                                       self.kernels)
         for first, n, slot in runs.prefill:
             rows = slice(first, first + n)
-            out[rows] = delta_rule_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], runs.store.state[slot])
+            out[rows] = delta_rule_prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], runs.store.state[slot],
+                                           self.kernels)
         out = F.rms_norm(out, (s.d_v,), self.norm_weight, self.eps) * F.silu(z.float().view(t, s.v_heads, s.d_v))
         return self.out(out.reshape(t, s.v_heads * s.d_v).to(x.dtype))

@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mlp_block", &strata_cpu::mlp_block, "a decoder layer's MLP half for rows of hidden states: x + down(act(gate) * up)");
   m.def("delta_rule_step", &strata_cpu::delta_rule_step,
         "the gated delta rule's step for one token per sequence, each state in its slot, in place");
+  m.def("delta_rule_scan", &strata_cpu::delta_rule_scan,
+        "the gated delta rule over one sequence's tokens in order, heads in parallel, its state in place");
   m.def("conv_step", &strata_cpu::conv_step,
         "the causal depthwise convolution's next output per sequence, its window shifted in place");
   m.attr("max_m") = strata_cpu::kMaxM;

@@ -50,6 +50,8 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::
 // recurrent_cpu.cpp: a recurrent layer's decode step, one token per sequence.
 torch::Tensor delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
                               torch::Tensor state, torch::Tensor slots);
+torch::Tensor delta_rule_scan(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                              torch::Tensor state);
 torch::Tensor conv_step(torch::Tensor x, torch::Tensor weight, torch::Tensor conv, torch::Tensor slots);
 
 }  // namespace strata_cpu

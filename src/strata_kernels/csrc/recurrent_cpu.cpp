@@ -11,6 +11,15 @@
 //       Dk = Dv = 128) and written once. Tasks (sequence, head) are shared
 //       among the threads.
 //
+//   delta_rule_scan(q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv])
+//       -> [T, Hv, Dv] float32
+//       One sequence's T tokens in order (a prompt), the same arithmetic as
+//       delta_rule_step token by token; heads are shared among the threads
+//       and each keeps its [Dk, Dv] state in cache for all T tokens, so the
+//       state leaves memory once. On a CPU this beats the chunked form (whose
+//       matrix products do more arithmetic: chunks buy parallelism, which a
+//       GPU needs and two cores do not).
+//
 //   conv_step(x [B, C] float32, weight [C, K] float32, conv [S, K-1, C] float32,
 //             slots [B] int64) -> [B, C] float32
 //       The causal depthwise convolution's next output per sequence:
@@ -36,22 +45,79 @@ void check_f32(const torch::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
-}  // namespace
+// One token of one value head: M = exp(g) M; u = beta (v - M^T k); M += k u^T; o = M^T q.
+inline void delta_step_head(float* m, const float* kk, const float* qq, const float* vv, float g, float rate,
+                            float* o, float* u, int64_t Dk, int64_t Dv) {
+  const float decay = std::exp(g);
+  // u = M^T k (before the decay), then the correction the rule writes.
+  for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
+  for (int64_t i = 0; i < Dk; ++i) {
+    const float* row = m + i * Dv;
+    const float ki = kk[i];
+    for (int64_t j = 0; j < Dv; ++j) u[j] += row[j] * ki;
+  }
+  for (int64_t j = 0; j < Dv; ++j) u[j] = rate * (vv[j] - decay * u[j]);
+  // M = decay M + k u^T, and o = M^T q from the new rows.
+  for (int64_t j = 0; j < Dv; ++j) o[j] = 0.0f;
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* row = m + i * Dv;
+    const float ki = kk[i], qi = qq[i];
+    for (int64_t j = 0; j < Dv; ++j) {
+      const float next = row[j] * decay + ki * u[j];
+      row[j] = next;
+      o[j] += next * qi;
+    }
+  }
+}
 
-torch::Tensor delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                              torch::Tensor state, torch::Tensor slots) {
+void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
+                  const torch::Tensor& beta) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
   check_f32(g, "g");
   check_f32(beta, "beta");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == q.size(0) && v.size(1) % q.size(1) == 0 &&
+                  g.size(0) == q.size(0) && g.size(1) == v.size(1) && beta.sizes() == g.sizes(),
+              "the delta rule's q, k, v, g and beta disagree in shape");
+}
+
+}  // namespace
+
+torch::Tensor delta_rule_scan(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                              torch::Tensor state) {
+  check_inputs(q, k, v, g, beta);
+  check_f32(state, "state");
+  const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == Hv && state.size(1) == Dk && state.size(2) == Dv,
+              "delta_rule_scan: the state must be [Hv, Dk, Dv]");
+  const int64_t group = Hv / Hk;
+  auto out = torch::empty({T, Hv, Dv}, v.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *sp = state.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, Hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> u(Dv);
+    for (int64_t h = begin; h < end; ++h) {
+      float* m = sp + h * Dk * Dv;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t kq = (t * Hk + h / group) * Dk, at = t * Hv + h;
+        delta_step_head(m, kp + kq, qp + kq, vp + at * Dv, gp[at], bp[at], op + at * Dv, u.data(), Dk, Dv);
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                              torch::Tensor state, torch::Tensor slots) {
+  check_inputs(q, k, v, g, beta);
   check_f32(state, "state");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "slots must be contiguous int64");
   const int64_t B = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == B && Hv % Hk == 0 && g.size(0) == B && g.size(1) == Hv &&
-                  beta.sizes() == g.sizes() && slots.size(0) == B && state.dim() == 4 && state.size(1) == Hv &&
-                  state.size(2) == Dk && state.size(3) == Dv,
-              "delta_rule_step: shapes disagree");
+  TORCH_CHECK(slots.size(0) == B && state.dim() == 4 && state.size(1) == Hv && state.size(2) == Dk &&
+                  state.size(3) == Dv,
+              "delta_rule_step: the state must be [slots, Hv, Dk, Dv] and slots [B]");
   const int64_t S = state.size(0), group = Hv / Hk;
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] >= 0 && slot[b] < S, "slot ", slot[b], " is not in the store");
@@ -62,32 +128,9 @@ torch::Tensor delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   at::parallel_for(0, B * Hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> u(Dv);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hv, h = task % Hv;
-      float* m = sp + (slot[b] * Hv + h) * Dk * Dv;
-      const float* kk = kp + (b * Hk + h / group) * Dk;
-      const float* qq = qp + (b * Hk + h / group) * Dk;
-      const float* vv = vp + (b * Hv + h) * Dv;
-      float* o = op + (b * Hv + h) * Dv;
-      const float decay = std::exp(gp[b * Hv + h]), rate = bp[b * Hv + h];
-      // u = M^T k (before the decay), then the correction the rule writes.
-      for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i) {
-        const float* row = m + i * Dv;
-        const float ki = kk[i];
-        for (int64_t j = 0; j < Dv; ++j) u[j] += row[j] * ki;
-      }
-      for (int64_t j = 0; j < Dv; ++j) u[j] = rate * (vv[j] - decay * u[j]);
-      // M = decay M + k u^T, and o = M^T q from the new rows.
-      for (int64_t j = 0; j < Dv; ++j) o[j] = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i) {
-        float* row = m + i * Dv;
-        const float ki = kk[i], qi = qq[i];
-        for (int64_t j = 0; j < Dv; ++j) {
-          const float next = row[j] * decay + ki * u[j];
-          row[j] = next;
-          o[j] += next * qi;
-        }
-      }
+      const int64_t b = task / Hv, h = task % Hv, kq = (b * Hk + h / group) * Dk, at = b * Hv + h;
+      delta_step_head(sp + (slot[b] * Hv + h) * Dk * Dv, kp + kq, qp + kq, vp + at * Dv, gp[at], bp[at],
+                      op + at * Dv, u.data(), Dk, Dv);
     }
   });
   return out;

@@ -155,3 +155,37 @@ def test_gpu_decode_step_at_a_real_shape(b):
     torch.testing.assert_close(causal_conv_step(x, weight, store.conv, slots, "triton"),
                                causal_conv_step(x, weight, ref.conv, slots), atol=1e-4, rtol=1e-4)
     assert torch.equal(store.conv, ref.conv)
+
+
+@pytest.mark.parametrize("t", [5, 32, 77])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (1, 2, 24, 40)], ids=["pow2", "odd-dims"])
+def test_the_triton_chunked_prefill_equals_the_recurrence(t, dims):
+    """The Triton chunked kernel (under the interpreter): chunks of 32, the
+    triangular solve as a product of powers, padded tails."""
+    hk, hv, dk, dv = dims
+    q, k, v, g, beta, state = _inputs(t, hk, hv, dk, dv, seed=t)
+    want_state, got_state = state.clone(), state.clone()
+    want = delta_rule_recurrent(q, k, v, g, beta, want_state)
+    got = delta_rule_prefill(q, k, v, g, beta, got_state, "triton")
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + _backends())
+def test_every_prefill_form_holds_on_alike_keys_with_full_writes(backend):
+    """Keys nearly alike, beta 1, no decay: the within-chunk system is then
+    far from the identity (its inverse's entries grow with the chunk), where
+    a solve by products of powers lost every digit. Each form against the
+    token-by-token recurrence."""
+    g = torch.Generator().manual_seed(9)
+    t, hk, hv, dk, dv = 100, 2, 4, 32, 32
+    q = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(1, hk, dk, generator=g) + 0.3 * torch.randn(t, hk, dk, generator=g),
+                                      dim=-1)
+    v, decay, beta = torch.randn(t, hv, dv, generator=g), torch.zeros(t, hv), torch.ones(t, hv)
+    state = torch.randn(hv, dk, dv, generator=g) * 0.1
+    want_state, got_state = state.clone(), state.clone()
+    want = delta_rule_recurrent(q, k, v, decay, beta, want_state)
+    got = delta_rule_prefill(q, k, v, decay, beta, got_state, backend)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=3e-5, rtol=1e-5)

@@ -157,15 +157,21 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """One sequence's prompt rows (``delta_rule_recurrent``'s arguments),
-    ``state`` ``[Hv, dk, dv]`` updated in place: the chunked form (torch; on
-    a GPU its matrix products carry the parallelism a token-by-token scan
-    lacks), or on the compiled CPU kernels the scan (each head's state kept
+    ``state`` ``[Hv, dk, dv]`` (contiguous) updated in place: the chunked
+    form (torch; Triton: one kernel, chunks of 32, whose matrix products
+    carry the parallelism a token-by-token scan lacks on a GPU), or on the
+    compiled CPU kernels the scan (each head's state kept
     in cache for every token: on a CPU that beats the chunked form, which
     does more arithmetic; ``bench/recurrent.py``)."""
-    if resolve_backend(state.device, backend) == "cpu":
+    backend = resolve_backend(state.device, backend)
+    if backend == "cpu":
         from . import cpu_kernels
 
         return cpu_kernels.delta_rule_scan(q, k, v, g, beta, state)
+    if backend == "triton":
+        from ._triton_recurrent import delta_rule_chunked_triton
+
+        return delta_rule_chunked_triton(q, k, v, g, beta, state)
     return delta_rule_chunked(q, k, v, g, beta, state)
 
 

@@ -18,7 +18,8 @@ import torch
 
 from strata_kernels.recurrent import RecurrentStore
 
-from .kv_cache import KVCache, store_fields
+from .kv_cache import KVCache
+from .kv_pool import store_fields
 from .memory import MiB
 from .staging import Lease, StagingPool
 from .testing import fault_point

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from strata_kernels import KVStore
+from strata_kernels import KV_FORMATS, KVStore
 
 from .chat_prompt import TurnMarker, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
@@ -19,7 +19,8 @@ from .default_model import default_model_path
 from .errors import Cancelled, ContextLengthError, StrataError
 from .generation import forward_chunks
 from .gguf_file import GGUFFile
-from .kv_cache import KV_FORMATS, KVCache, KVPool
+from .kv_cache import KVCache
+from .kv_pool import KVPool
 from .compute_path import DTYPE_NAMES
 from .loader import build_model, open_model
 from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split

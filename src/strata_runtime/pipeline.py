@@ -25,7 +25,8 @@ from torch import nn
 
 from .errors import StrataError
 from .gguf_file import GGUFFile
-from .kv_cache import KVCache, f16_storage_bytes
+from .kv_cache import KVCache
+from .kv_pool import f16_storage_bytes
 from .compute_path import resolve
 from .loader import open_model
 from .memory import HostMemory, MiB

@@ -4,7 +4,7 @@ Each ``step()`` runs one forward over a ``Batch``: the next token of every
 decoding sequence, then chunks of prompts being read, at most
 ``chunk_tokens`` prompt rows in all (a long prompt cannot stall the others'
 decoding for more than one chunk). Sequences hold KV blocks of one pool
-(``kv_cache.KVPool``), reserved once at load:
+(``kv_pool.KVPool``), reserved once at load:
 
 - admission: a waiting request starts (first come, first served) when the
   blocks its prompt needs are free and fewer than ``max_running`` run;
@@ -34,7 +34,8 @@ import torch
 from .batch import Batch
 from .conversation_cache import ConversationCache, Restored, common_prefix
 from .errors import QueueFull, StrataError
-from .kv_cache import PREFILL_CHUNK, KVCache, KVPool
+from .kv_cache import PREFILL_CHUNK, KVCache
+from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)

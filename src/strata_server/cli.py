@@ -331,7 +331,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from strata_runtime.default_model import default_model_path
     from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
 
-    from strata_runtime.kv_cache import f16_storage_bytes, f16_storage_dtype
+    from strata_runtime.kv_pool import f16_storage_bytes, f16_storage_dtype
     from strata_runtime.compute_path import resolve
     from strata_runtime.loader import open_model
     from strata_runtime.state import RecurrentState, kv_bytes, kv_bytes_per_token, recurrent_bytes

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..kv_cache import KVCache, store_fields
+from ..kv_cache import KVCache
+from ..kv_pool import store_fields
 from ..models.decoder import finish
 from ..pipeline import StagePlan
 from .common import IDLE_WAIT, StageLost, first_line

@@ -52,6 +52,14 @@ def test_exact_path_equals_transformers(tmp_path, shape, qtype, seed):
     assert kinds == ["recurrent" if r else "attention" for r in shape.recurrent()]
 
 
+def test_a_file_whose_ssm_metadata_disagrees_with_its_tensors_is_refused(tmp_path):
+    from strata_runtime.errors import ModelFileError
+
+    path = write_hybrid_model(tmp_path / "broken.gguf", HybridShape(told_state_size=8), 3)
+    with pytest.raises(ModelFileError, match=r"layer 0: the recurrent layer's tensors have shapes .*ssm\.\* metadata"):
+        _load(path)
+
+
 def test_chunked_prefill_equals_the_step_by_step_recurrence(hybrid_file):
     """A 700-token prompt read in chunks (of 512 rows, the delta rule in
     chunks of 64) against the same prompt read one token at a time; then

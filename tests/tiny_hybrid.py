@@ -49,6 +49,7 @@ class HybridShape:
     shared_ffn: int = 64
     ffn: int = 96
     recurrent_list: tuple[bool, ...] | None = None  # written as attention.recurrent_layers when given
+    told_state_size: int | None = None  # an ssm.state_size that disagrees with the tensors (a broken file)
 
     def recurrent(self) -> list[bool]:
         if self.recurrent_list is not None:
@@ -67,7 +68,7 @@ def write_hybrid_model(path: Path, shape: HybridShape, seed: int,
     w.add_expert_feed_forward_length(s.expert_ffn)
     w.add_expert_shared_feed_forward_length(s.shared_ffn)
     w.add_ssm_conv_kernel(s.conv_kernel)
-    w.add_ssm_state_size(s.d_k)
+    w.add_ssm_state_size(s.d_k if s.told_state_size is None else s.told_state_size)
     w.add_ssm_group_count(s.k_heads)
     w.add_ssm_time_step_rank(s.v_heads)
     w.add_ssm_inner_size(s.v_heads * s.d_v)

@@ -71,19 +71,18 @@ class GatedDeltaNet(nn.Module):
             raise ModelFileError(f"layer {layer}: {s.v_heads} value heads cannot be shared by {s.k_heads} key heads "
                                  f"(ssm.time_step_rank must be a multiple of ssm.group_count)")
         self.layer = layer
-        self.qkv = Linear(w(p + "attn_qkv.weight"), backend)
-        self.z = Linear(w(p + "attn_gate.weight"), backend)
-        self.ba = Linear(w(p + "ssm_ba.weight"), backend)
-        self.out = Linear(w(p + "ssm_out.weight"), backend)
-        self.projections = Projections(self.qkv, self.z, self.ba)
+        qkv, z, ba = (w(p + name) for name in ("attn_qkv.weight", "attn_gate.weight", "ssm_ba.weight"))
         conv = dequantize(w(p + "ssm_conv1d.weight")).float()
-        expected = {"attn_qkv": (s.channels,), "attn_gate": (s.v_heads * s.d_v,), "ssm_ba": (2 * s.v_heads,),
+        expected = {"attn_qkv": s.channels, "attn_gate": s.v_heads * s.d_v, "ssm_ba": 2 * s.v_heads,
                     "ssm_conv1d": (s.channels, s.conv_kernel)}
-        got = {"attn_qkv": (self.qkv_rows(),), "attn_gate": (self.rows(self.z),), "ssm_ba": (self.rows(self.ba),),
+        got = {"attn_qkv": qkv.shape[0], "attn_gate": z.shape[0], "ssm_ba": ba.shape[0],
                "ssm_conv1d": tuple(conv.shape)}
         if got != expected:
             raise ModelFileError(f"layer {layer}: the recurrent layer's tensors have shapes {got}, but the ssm.* "
                                  f"metadata says {expected}")
+        self.qkv, self.z, self.ba = Linear(qkv, backend), Linear(z, backend), Linear(ba, backend)
+        self.out = Linear(w(p + "ssm_out.weight"), backend)
+        self.projections = Projections(self.qkv, self.z, self.ba)
         self.register_buffer("conv_weight", conv, persistent=False)
         self.register_buffer("decay_scale", dequantize(w(p + "ssm_a")).float().reshape(-1), persistent=False)
         self.register_buffer("dt_bias", dequantize(w(p + "ssm_dt.bias")).float().reshape(-1), persistent=False)
@@ -91,13 +90,6 @@ class GatedDeltaNet(nn.Module):
                              persistent=False)
         self.eps = eps
         self.kernels = backend.attention  # the decode step's: compiled CPU kernels, Triton on CUDA, else torch
-
-    @staticmethod
-    def rows(linear: Linear) -> int:
-        return (linear.weight if linear.weight is not None else linear.qweight).shape[0]
-
-    def qkv_rows(self) -> int:
-        return self.rows(self.qkv)
 
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
         s = self.shape

@@ -143,6 +143,14 @@ def test_unknown_load_option(model_file):
         strata_runtime.load(model_file, device="tpu")
 
 
+def test_zero_conversation_slots_with_a_pool_is_refused_at_load(model_file):
+    """Issue 23, item 1: accepted before, then every request that left the
+    live sequence failed in park (min() of no snapshots)."""
+    with pytest.raises(ValueError, match="conversation_cache_slots must be at least 1 .*conversation_cache_mib to 0"):
+        strata_runtime.load(model_file, conversation_cache_slots=0, progress=False)
+    strata_runtime.EngineConfig(conversation_cache_slots=0, conversation_cache_mib=0)  # no pool: nothing to park
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
 def test_cuda_without_a_gpu_is_a_clear_error(model_file):
     with pytest.raises(StrataError, match="torch sees no CUDA device; use device='cpu'"):

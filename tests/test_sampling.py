@@ -171,3 +171,22 @@ def test_held_back_text_is_the_longest_end_that_begins_a_stop(text, stops):
     naive = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
     assert stream._longest_stop_prefix_suffix(text) == naive
 
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-7])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    """logits / 1e-38 overflowed to inf, the softmax to NaN, and the draw then
+    took the last candidate, the least likely, every time."""
+    params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    assert _draws(params, LOGITS, n=50) == {0}
+
+
+def test_an_extreme_repetition_penalty_stays_finite():
+    """A penalty of 1e-40 divides a positive logit past float32's range: the
+    penalized logits are clamped to finite values, so the draw still follows
+    them (the repeated token, made overwhelmingly likely) and never NaN."""
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1e-40, seed=4)
+    penalized = apply_penalties(LOGITS.clone(), [2], params)
+    assert torch.isfinite(penalized).all()
+    sampler = Sampler(params)
+    assert {sampler(LOGITS, [2]) for _ in range(50)} == {2}

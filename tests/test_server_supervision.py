@@ -131,3 +131,6 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path, model_file):
     r = subprocess.run([sys.executable, "-m", "strata_server.cli", "serve", "--model", str(model_file),
                         "--kv", "int8", "--device", "tpu"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "device must be" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "strata_server.cli", "serve", "--model", str(model_file),
+                        "--conversation-cache-slots", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "conversation_cache_slots must be at least 1" in r.stderr

@@ -143,6 +143,8 @@ class ConversationCache:
 
     def __init__(self, pool: StagingPool, slots: int = 8, checkpoint_every: int = 0, min_park_tokens: int = 16,
                  pool_refusal: str = "the pool is empty"):
+        if slots < 1:
+            raise ValueError(f"a conversation cache needs at least 1 slot, got {slots}")
         self.pool = pool
         self.slots = slots
         self.checkpoint_every = checkpoint_every

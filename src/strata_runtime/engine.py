@@ -70,6 +70,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        if self.conversation_cache_mib and not self.conversation_cache_slots:
+            raise ValueError("conversation_cache_slots must be at least 1 while conversation_cache_mib is above 0 "
+                             "(to park no conversation, set conversation_cache_mib to 0)")
         if self.kv not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         try:

@@ -12,7 +12,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy
+    (and so is any temperature below ``GREEDY_BELOW``).
 
     The filters run in llama.cpp's default order: penalties, top-k, top-p,
     min-p, then temperature, then a draw from a generator seeded by ``seed``
@@ -22,6 +23,9 @@ class SamplingParams:
     MAX_STOP_STRINGS = 16  # OpenAI allows 4; agents send a few more. Each costs work on every token.
     MAX_STOP_CHARS = 256
     SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+    # Below this a draw is its argmax but for logits within ~1e-4 of the best:
+    # greedy, rather than dividing logits by a number that overflows them.
+    GREEDY_BELOW = 1e-5
 
     max_tokens: int = 256
     temperature: float = 0.8
@@ -64,7 +68,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < self.GREEDY_BELOW
 
 
 class Sampler:
@@ -103,7 +107,8 @@ class Sampler:
             probs = torch.softmax(logits, dim=-1)
             keep = int((probs >= p.min_p * probs[0]).sum())
             logits, candidates = logits[:keep], candidates[:keep]
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+        # Scaled from the best logit down: nothing overflows whatever the temperature.
+        probs = torch.softmax((logits - logits.max()) / p.temperature, dim=-1)
         return int(candidates[draw(probs, self.generator)])
 
 
@@ -151,5 +156,7 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], p: SamplingPar
     if p.repetition_penalty != 1.0:
         values = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     values = values - counts.to(values.dtype) * p.frequency_penalty - p.presence_penalty
-    logits[tokens] = values
+    # A penalty far from 1 can push a logit past float32's range; inf would make the softmax NaN.
+    finite = torch.finfo(values.dtype).max
+    logits[tokens] = values.clamp(-finite, finite)
     return logits

@@ -58,7 +58,7 @@ class Batch:
         if tables is None:
             store = self.caches[0].stores[layer]
             tables = BlockTables.of([c.blocks[g] for c in self.caches[:self.decoding]],
-                                    self.pool.groups[g].block_size, store.k.device)  # an attention layer's
+                                    self.pool.groups[g].block_size, store.k.device)
             self._decode_tables[g] = tables
         return tables
 

@@ -259,7 +259,8 @@ class Scheduler:
             seq.cancel("length")
 
     def _checkpoint(self, seq: Generation) -> None:
-        """Running state saved where a prompt chunk stopped at a checkpoint position."""
+        """Running state saved where a prompt chunk stopped at a checkpoint
+        position, and every ``checkpoint_every`` tokens while decoding."""
         cc, p = self.conversations, seq.cache.length
         if cc is None or not seq.cache.has_running_state:
             return

@@ -101,16 +101,21 @@ def test_restore_fault_leaves_the_cache_cold_and_consistent(engine, cc):
     assert torch.equal(cold, ref)
 
 
-def test_checkpoint_fault_is_skipped(engine, cc):
+def test_a_checkpoint_out_of_memory_is_skipped_and_a_device_error_is_raised(engine, cc):
+    """Out-of-memory (torch's error, or the CPU allocator's RuntimeError) is
+    an optimization's skip; any other device error is raised (it ends the
+    engine: the device is in an unknown state), its pages given back."""
     a = _tokens(50, 10)
     cache = engine.new_cache(128)
     _run(engine, cache, a)
-    with inject_fault("checkpoint_copy", exc=RuntimeError("CUDA error: an illegal memory access")):
+    cpu_oom = RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
+    with inject_fault("checkpoint_copy", exc=cpu_oom):
         outcome = cc.save_checkpoint(cache, a)
-    assert outcome == Skipped("checkpoint save skipped (copy failed: CUDA error: an illegal memory access)",
-                              "copy_failed")
-    assert cc.stats()["skipped_by_reason"] == {"checkpoint:copy_failed": 1}
-    assert cc.pool.used_bytes == 0
+    assert isinstance(outcome, Skipped) and outcome.cause == "out_of_memory", outcome
+    assert cc.stats()["skipped_by_reason"] == {"checkpoint:out_of_memory": 1}
+    with inject_fault("checkpoint_copy", kind="device_error"), pytest.raises(RuntimeError, match="illegal memory"):
+        cc.save_checkpoint(cache, a)
+    assert cc.pool.used_bytes == 0 and not cc.checkpoints
 
 
 def test_a_snapshot_larger_than_the_pool_is_refused_up_front(engine):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import strata_runtime
-from strata_runtime.testing import POINTS, inject_fault
+from strata_runtime.testing import OPTIMIZATION_POINTS, inject_fault
 
 _engines: dict[str, object] = {}
 
@@ -28,7 +28,7 @@ def _engines_for(model_file):
 def test_random_conversations_with_random_faults(model_file):
     warm, cold = _engines_for(model_file)
     # Gemma keeps no recurrent state: that point never fires here (the hybrid test below has it).
-    _run(warm, cold, tokens=(300, 20000), points=tuple(p for p in POINTS if p != "recurrent_copy"),
+    _run(warm, cold, tokens=(300, 20000), points=tuple(p for p in OPTIMIZATION_POINTS if p != "recurrent_copy"),
          exercised=("parked", "restored"))
 
 
@@ -46,7 +46,7 @@ def test_random_hybrid_conversations_with_random_faults(tmp_path):
     # Derandomized, these sequences return mostly to the conversation on the
     # device: cut back through its checkpoints (counted as live_reused);
     # snapshot restores are tests/test_hybrid_conversations.py's.
-    _run(warm, cold, tokens=(3, 300), points=POINTS, exercised=("parked", "live_reused", "checkpoints_saved"))
+    _run(warm, cold, tokens=(3, 300), points=OPTIMIZATION_POINTS, exercised=("parked", "live_reused", "checkpoints_saved"))
 
 
 def _run(warm, cold, tokens: tuple[int, int], points: tuple[str, ...], exercised: tuple[str, ...]) -> None:

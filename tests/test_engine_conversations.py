@@ -21,7 +21,7 @@ from test_memory import _proc, _v2
 
 import strata_runtime
 from strata_runtime.memory import MiB, HostMemory
-from strata_runtime.testing import POINTS, inject_fault
+from strata_runtime.testing import OPTIMIZATION_POINTS, inject_fault
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one short sentence."}
 TOPICS = [
@@ -65,7 +65,7 @@ _cold_outputs: dict[tuple, list] = {}
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.5], ids=["every-call", "random-subset"])
-@pytest.mark.parametrize("point", [p for p in POINTS if p != "recurrent_copy"])  # Gemma keeps no recurrent state
+@pytest.mark.parametrize("point", [p for p in OPTIMIZATION_POINTS if p != "recurrent_copy"])  # Gemma keeps no recurrent state
 def test_every_fault_point_is_survived(model_file, point, rate):
     engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=512,
                                  conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)

@@ -20,7 +20,7 @@ from tiny_hybrid import HybridShape, write_hybrid_model
 
 import strata_runtime
 from strata_runtime.conversation_cache import common_prefix
-from strata_runtime.testing import POINTS, inject_fault
+from strata_runtime.testing import OPTIMIZATION_POINTS, inject_fault
 
 EVERY = 16  # checkpoint_every
 SYSTEM = {"role": "system", "content": "You answer briefly. def f(x): return x ** 2"}
@@ -90,7 +90,7 @@ def test_returning_turns_reread_at_most_the_checkpoint_interval(hybrid_file, cap
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.5], ids=["every-call", "random-subset"])
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", OPTIMIZATION_POINTS)
 def test_every_fault_point_is_survived(hybrid_file, point, rate):
     """Each copy (park, restore, checkpoint, the recurrent state's part of
     any of them, the pool lease) failing always or at random: every request
@@ -169,3 +169,31 @@ def test_the_seeds_outage_on_a_hybrid_model_is_a_counted_skip(tmp_path, case):
         else:
             assert skips.get('strata_conversation_cache_skipped_total{kind="checkpoint",reason="too_large"}', 0) > 0
         assert "Traceback" not in s.log()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_a_forward_that_fails_midway_drops_the_state_it_half_wrote(hybrid_file, dtype):
+    """Issue 23, item 7. A failure in a late layer comes after the earlier
+    layers advanced their recurrent states in place (and wrote rings): the
+    step's sequences lose their state (``StepFailed``, finish reason "error")
+    instead of leaving it resident for the next request to continue from.
+    The same request again then equals a fresh engine's run."""
+    from strata_runtime.faults import StepFailed
+
+    engine = strata_runtime.load(hybrid_file, dtype=dtype, progress=False, context_length=512,
+                                 conversation_cache_mib=0)
+    fresh = strata_runtime.load(hybrid_file, dtype=dtype, progress=False, context_length=512,
+                                conversation_cache_mib=0)
+    first = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog, again and again.")
+    generated = engine.generate(first, max_tokens=4, temperature=0).tokens
+    # The resident holds ``first`` and the answer; this prompt extends all of it (continued, not recomputed).
+    longer = first + generated + engine.tokenizer.encode(" Then it rests by the river bank.", add_bos=False)
+    last = len(engine.model.layers) - 1
+    with inject_fault("layer", stage=last, times=1), pytest.raises(StepFailed) as caught:
+        engine.generate(longer, max_tokens=6, temperature=0)
+    assert caught.value.out_of_memory
+    assert engine.scheduler.counters["failed_steps"] == 1
+    assert not engine.scheduler.running and not engine.scheduler.residents
+    assert sum(engine.scheduler.pool.free_blocks()) == engine.scheduler.pool.total_blocks()
+    again = engine.generate(longer, max_tokens=6, temperature=0).tokens
+    assert again == fresh.generate(longer, max_tokens=6, temperature=0).tokens

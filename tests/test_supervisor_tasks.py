@@ -85,6 +85,8 @@ def test_a_dead_supervisor_ends_the_server(model_file):
         await _until(lambda: failed)
         assert sup.state == "failed" and sup.health()[0] == 503
         kind, error = (await _events(waiting))[-1]
-        assert kind == "error" and error.status == 503
+        # It was in the engine at a hard crash: the one suspect, answered not to be retried.
+        assert kind == "error" and error.status == 500 and error.code == "engine_crashed"
+        assert error.headers == {"x-should-retry": "false"}
 
     _run(model_file, scenario)

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import StrataError
+from .errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ FALLBACK_TEMPLATES = {"gemma3": _GEMMA_TEMPLATE}
 ROLES = ("system", "user", "assistant")
 
 
-class ChatTemplateError(StrataError):
+class ChatTemplateError(RequestError):
     """Messages the template cannot render (the message says why)."""
 
 

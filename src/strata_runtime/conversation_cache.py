@@ -18,6 +18,7 @@ import torch
 
 from strata_kernels.recurrent import RecurrentStore
 
+from .faults import describe, is_out_of_memory
 from .kv_cache import KVCache
 from .kv_pool import store_fields
 from .memory import MiB
@@ -61,9 +62,8 @@ CAUSES = {
     "too_large": "larger than the whole staging pool",
     "no_blocks": "no free KV blocks on the device to restore into",
     "pool_full": "not enough free pages even after evicting what may be evicted",
-    "lease_failed": "taking pages from the pool raised",
+    "lease_failed": "taking pages from the pool ran out of memory",
     "out_of_memory": "the copy ran out of memory",
-    "copy_failed": "the copy raised another device error",
     "no_running_state": "the model has no running state to checkpoint",
     "not_needed": "nothing to do (too short, already parked); neither logged nor counted",
 }
@@ -164,7 +164,9 @@ class ConversationCache:
               upto: int | None = None) -> Skipped | None:
         """Copy ``stored``'s parts between ``cache`` and the pool, one part per
         pipeline stage; a device-side failure in any part becomes ``Skipped``
-        (the caller then drops the whole snapshot, on every stage)."""
+        (the caller then drops the whole snapshot, on every stage) where it
+        is out-of-memory; any other failure is raised (``faults``: it ends
+        the engine, so a device in an unknown state serves nothing more)."""
         stages = sorted(set(cache.layer_stages))
         for stage in stages:
             try:
@@ -178,10 +180,10 @@ class ConversationCache:
                     with torch.cuda.stream(self._copy_stream):
                         self._copy_parts(cache, stored, to_pool, upto, stage)
                     self._copy_stream.synchronize()
-            except (torch.OutOfMemoryError, MemoryError) as e:
-                return Skipped(f"copy failed{_part(stage, stages)}: out of memory ({e})", "out_of_memory")
-            except RuntimeError as e:  # CUDA errors surface as RuntimeError
-                return Skipped(f"copy failed{_part(stage, stages)}: {str(e).splitlines()[0][:120]}", "copy_failed")
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                return Skipped(f"copy failed{_part(stage, stages)}: out of memory ({describe(e)})", "out_of_memory")
         return None
 
     def _lease(self, nbytes: int, what: str, evict_snapshots: bool) -> Lease | Skipped:
@@ -195,8 +197,10 @@ class ConversationCache:
             try:
                 fault_point("staging_lease")
                 lease = self.pool.lease(nbytes)
-            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-                return Skipped(f"staging pool: lease failed ({e})", "lease_failed")
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                return Skipped(f"staging pool: lease failed ({describe(e)})", "lease_failed")
             if lease is not None:
                 if evicted:
                     self.counters["evictions"] += evicted
@@ -266,7 +270,11 @@ class ConversationCache:
         if isinstance(lease, Skipped):
             return lease
         stored = _Stored(lease, parts, nbytes)
-        failed = self._copy(point, cache, stored, to_pool=True)
+        try:
+            failed = self._copy(point, cache, stored, to_pool=True)
+        except BaseException:
+            self.pool.release(lease)
+            raise
         if failed:
             self.pool.release(lease)
             return failed

@@ -16,7 +16,7 @@ from .chat_prompt import TurnMarker, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
 from .conversation_cache import ConversationCache
 from .default_model import default_model_path
-from .errors import Cancelled, ContextLengthError, StrataError
+from .errors import Cancelled, ContextLengthError, RequestError, RequestTypeError, StrataError
 from .generation import forward_chunks
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache
@@ -350,7 +350,7 @@ class Engine:
         ``run.completion`` is set. ``QueueFull`` where the waiting queue is at
         its bound. Arguments are checked here, as ``generate``/``chat`` check them."""
         if (prompt is None) == (messages is None):
-            raise TypeError("give a prompt or messages, not both")
+            raise RequestTypeError("give a prompt or messages, not both")
         run = (self._chat_run(messages, dict(sampling), abort, cache_scope) if messages is not None
                else self._start(prompt, dict(sampling), abort=abort, cache_scope=cache_scope))
         run.submit(bounded=True)
@@ -441,11 +441,11 @@ class Engine:
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in tokens]
         if not tokens:
-            raise StrataError("the prompt is empty; give at least one token")
+            raise RequestError("the prompt is empty; give at least one token")
         vocab = self.tokenizer.vocab.size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
-            raise StrataError(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens")
+            raise RequestError(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens")
         return tokens
 
     def _start(self, prompt: str | Sequence[int], sampling: dict[str, Any],
@@ -454,9 +454,9 @@ class Engine:
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
-            raise TypeError(f"{e}; sampling options are {', '.join(f.name for f in dataclasses.fields(SamplingParams))}") from None
+            raise RequestTypeError(f"{e}; sampling options are {', '.join(f.name for f in dataclasses.fields(SamplingParams))}") from None
         if not isinstance(cache_scope, str):
-            raise TypeError(f"cache_scope must be a string, got {type(cache_scope).__name__}")
+            raise RequestTypeError(f"cache_scope must be a string, got {type(cache_scope).__name__}")
         if isinstance(prompt, str):
             self._check_chars(len(prompt))
             ids = self.tokenizer.encode(prompt, abort=abort)

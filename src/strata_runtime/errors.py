@@ -5,11 +5,22 @@ class StrataError(Exception):
     """Base of the errors Strata raises on purpose (bad input, bad files)."""
 
 
+class RequestError(StrataError, ValueError):
+    """A request's arguments are wrong (the caller's to fix; a server answers 400).
+
+    Raised only by argument checks, before the request touches any state.
+    Also a ``ValueError``, as argument errors are in Python."""
+
+
+class RequestTypeError(RequestError, TypeError):
+    """A request argument of the wrong type or name (also a ``TypeError``)."""
+
+
 class ModelFileError(StrataError):
     """A model file that cannot be used, with the file named and the fix stated."""
 
 
-class ContextLengthError(StrataError):
+class ContextLengthError(RequestError):
     """A prompt that does not fit the context (never truncated silently).
 
     Raised with the prompt's token count, or, for text too long to be worth

@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from .errors import RequestError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -64,7 +66,7 @@ class SamplingParams:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestError(message)
 
     @property
     def greedy(self) -> bool:

@@ -33,10 +33,12 @@ import torch
 
 from .batch import Batch
 from .conversation_cache import ConversationCache, Restored, common_prefix
-from .errors import QueueFull, StrataError
+from .errors import QueueFull, RequestError
+from .faults import StepFailed
 from .kv_cache import PREFILL_CHUNK, KVCache
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
+from .testing import armed, fault_point
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,7 @@ class Scheduler:
         short = [g for g in self.pool.groups if g.blocks_for(len(prompt) + 1) > g.n_blocks]
         if short:
             g = short[0]
-            raise StrataError(f"the prompt's {len(prompt)} tokens need {g.blocks_for(len(prompt) + 1)} KV blocks "
+            raise RequestError(f"the prompt's {len(prompt)} tokens need {g.blocks_for(len(prompt) + 1)} KV blocks "
                               f"but the pool holds {g.n_blocks}; shorten it or give the engine more KV memory")
         seq = Generation(next(self._ids), prompt, params, Sampler(params),
                         max_tokens=min(params.max_tokens, self.context_length - len(prompt)), scope=scope,
@@ -200,12 +202,37 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(batch_seqs))
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(n for s, n in zip(batch_seqs, counts) if s.state == PREFILLING)
-        ids = torch.tensor(rows, dtype=torch.long, device=self.model.device)
-        with torch.inference_mode():
-            logits = self.model(ids, positions.to(self.model.device), state, last_only=True)
-        for i, seq in enumerate(batch_seqs):
-            self._after_rows(seq, logits[i])
+        try:
+            if armed("forward"):
+                fault_point("forward", subject=[s.tokens for s in batch_seqs])
+            ids = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+            with torch.inference_mode():
+                logits = self.model(ids, positions.to(self.model.device), state, last_only=True)
+            for i, seq in enumerate(batch_seqs):
+                self._after_rows(seq, logits[i])
+        except Exception as e:
+            self._abandon(batch_seqs)
+            raise StepFailed([s.id for s in batch_seqs], e) from e
         self.retire()
+
+    def _abandon(self, seqs: list[Generation]) -> None:
+        """End ``seqs`` after a failed step, dropping their state: layers
+        before the failure wrote the step's positions (into sliding rings,
+        over older ones; recurrent states in place) while the cache still
+        counts what they overwrote, so no prefix of it can be trusted."""
+        for seq in seqs:
+            if seq.cache is not None:
+                if seq.cache is self.private:
+                    seq.cache.reset()
+                else:
+                    seq.cache.release()
+                seq.cache = None
+            if seq.state != FINISHED:
+                seq.cancel("error")
+        self.counters["failed_steps"] += 1
+        self.retire()
+        log.error("scheduler: a step over sequences %s failed; their state was dropped",
+                  [s.id for s in seqs])
 
     def _plan(self) -> tuple[list[Generation], list[int]]:
         """Decode rows first (each decoding sequence's last token), then

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -322,13 +323,26 @@ def run(config: ServerConfig) -> int:
 
     supervisor = Supervisor(config, metrics, on_failed=give_up)
     app = build_app(config, supervisor, metrics)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM:
+                supervisor.begin_drain()
+            super().handle_exit(sig, frame)
+
     if not config.api_keys and not config.loopback_only:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model and "
                     "read /props; start with --api-key-file (or STRATA_API_KEY)", config.host)
     # limit_concurrency: connections (and tasks) past it get a 503 at once, so
     # slow or huge bodies cannot pile up without bound.
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5,
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           access_log=False, timeout_graceful_shutdown=config.shutdown_grace_s,
                                            limit_concurrency=config.max_connections))
-    server.run()
+    # uvicorn raises a captured SIGTERM again once it has shut down; with the
+    # default handler that would end the process by the signal after a clean drain.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 3 if supervisor.state == "failed" else 0

@@ -112,10 +112,16 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="delay before the first restart, doubling per crash in the window, capped at 30 s")
     g.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="an engine silent this long is killed and restarted (default 30)")
-    g.add_argument("--inject-fault", action="append", default=[], metavar="POINT[:RATE]", type=_fault,
-                   help="chaos testing: make the engine's copies at POINT fail with out-of-memory, on every call "
-                        "or on a seeded random RATE of them (points: park_copy, restore_copy, checkpoint_copy, "
-                        "recurrent_copy, staging_lease); repeatable")
+    g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="an engine whose step (or tokenizing) runs longer than this, plus as long again per 256 "
+                        "tokens it handles, is stuck: it is killed and restarted (default 60)")
+    g.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, requests in flight get this long to finish before the server exits (default 30)")
+    g.add_argument("--inject-fault", action="append", default=[], metavar="POINT[:RATE[:KIND]][@TEXT]", type=_fault,
+                   help="chaos testing: make the engine fail at POINT (park_copy, restore_copy, checkpoint_copy, "
+                        "recurrent_copy, staging_lease, forward, layer) on every call or on a seeded random RATE of "
+                        "them, as KIND says (oom: out-of-memory, the default; device_error; hang; kill); @TEXT: "
+                        "only a forward whose prompts contain TEXT; repeatable")
 
 
 # The argparse destinations that are SamplingParams fields and load() options.
@@ -127,12 +133,18 @@ ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "paralle
 
 
 def _fault(text: str) -> str:
-    """``POINT`` or ``POINT:RATE``, checked here (the engine process arms it)."""
-    from strata_runtime.testing import POINTS
+    """``POINT[:RATE[:KIND]][@TEXT]``, checked here (the engine process arms it)."""
+    from strata_runtime.testing import KINDS, POINTS
 
-    point, _, rate = text.partition(":")
+    head, at, marker = text.partition("@")
+    point, _, rest = head.partition(":")
+    rate, _, kind = rest.partition(":")
     if point not in POINTS:
         raise argparse.ArgumentTypeError(f"unknown fault point {point!r}; points: {', '.join(POINTS)}")
+    if kind and kind not in KINDS:
+        raise argparse.ArgumentTypeError(f"unknown fault kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if at and (point != "forward" or not marker):
+        raise argparse.ArgumentTypeError("@TEXT needs the forward point and a non-empty TEXT")
     try:
         ok = not rate or 0.0 < float(rate) <= 1.0
     except ValueError:
@@ -296,7 +308,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, body_timeout_s=args.body_timeout,
         max_queue=args.max_queue, max_body_bytes=args.max_body_mib * MiB, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
-        hang_timeout_s=args.hang_timeout, log_level="info" if args.verbose else "warning",
+        hang_timeout_s=args.hang_timeout, stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace,
+        log_level="info" if args.verbose else "warning",
         faults=tuple(args.inject_fault),
     )
     if options.get("distributed"):

@@ -36,8 +36,13 @@ class ServerConfig:
     restart_backoff_max_s: float = 30.0
     ping_interval_s: float = 1.0  # how often the engine is asked whether it is answering
     hang_timeout_s: float = 30.0  # silence after which the engine is killed and restarted
+    # One piece of the engine's work (a step, a request's tokenizing) may take
+    # this long, and this long again per 256 tokens it handles; past that the
+    # engine is stuck (a kernel, a deadlock) and is killed and restarted.
+    stall_timeout_s: float = 60.0
+    shutdown_grace_s: float = 30.0  # on SIGTERM, requests in flight get this long to finish
     log_level: str = "info"
-    faults: tuple[str, ...] = ()  # "POINT[:RATE]": copies the engine fails on purpose (chaos tests)
+    faults: tuple[str, ...] = ()  # "POINT[:RATE[:KIND]][@TEXT]": what the engine fails on purpose (chaos tests)
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +60,8 @@ class ServerConfig:
              "an API key must be printable characters without spaces"),
             (self.body_timeout_s > 0, f"the body timeout must be positive, got {self.body_timeout_s}"),
             (self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}"),
+            (self.stall_timeout_s > 0, f"the stall timeout must be positive, got {self.stall_timeout_s}"),
+            (self.shutdown_grace_s >= 0, f"the shutdown grace must be at least 0, got {self.shutdown_grace_s}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -45,6 +45,8 @@ class Metrics:
         self.per_token = Histogram("strata_time_per_output_token_seconds", "decode time per token after the first",
                                    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)
         self.restarts = Counter("strata_engine_restarts", "engine processes started after a crash", registry=r)
+        self.crash_refusals = Counter("strata_requests_refused_after_crash",
+                                      "requests refused because an identical one was in an engine crash", registry=r)
         self.engine_up = Gauge("strata_engine_up", "1 while an engine is loaded and answering", registry=r)
         self.queue_depth = Gauge("strata_queue_depth", "requests waiting behind the one being served", registry=r)
         r.register(_ConversationCacheCollector(cache_stats))

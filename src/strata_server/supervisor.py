@@ -10,6 +10,18 @@ child straight away (after a backoff of 1 s, 2 s, 4 s, ... capped), not on
 the next request. Too many crashes within the window and it gives up, so the
 server exits non-zero and a service manager sees the failure.
 
+A crash is answered by cause: the requests that were in the failed work
+(the engine names them in its ``fatal`` report or its stuck pong; after a
+hard crash, all in flight) get a 500 that clients do not retry, and an
+identical request is refused for the restart window (``crash_suspects``);
+other requests in flight get a 503 to retry, and requests still waiting here
+stay queued for the next engine. Pongs also say how long the engine's main
+thread has been in one piece of work: past its bound the engine is stuck
+(a kernel, a deadlock) and is killed like a silent one.
+
+On SIGTERM the server drains (``begin_drain``): new requests get 503, those
+accepted are served, and the engine is not restarted if it ends.
+
 Its own tasks are watched too: a task that dies (a bug, not the child)
 restarts the child through the same path, so no request waits forever on a
 dispatcher that is gone; if the supervising task itself dies, the server
@@ -29,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .config import ServerConfig
+from .crash_suspects import CrashSuspects
 from .errors import ApiError, unavailable
 from .metrics import Metrics
 from .protocol import decode, encode
@@ -87,6 +100,11 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
         self._hung = False
+        self._stuck: str | None = None  # how the engine was stuck, when a pong showed it
+        # The requests the engine named as in its failed work (None: not named, all in flight are suspects).
+        self._suspects: list[int] | None = None
+        self.crash_suspects = CrashSuspects(config.restart_window_s)
+        self.draining = False
 
     # --- what the HTTP side asks ------------------------------------------
 
@@ -95,13 +113,22 @@ class Supervisor:
         return self.state == "ready" and time.monotonic() - self._last_heard < self.config.hang_timeout_s
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        if self.draining:
+            return 503, {"status": "stopping", "restarts": self.restarts, "last_exit": self.last_exit}
         if self.answering:
             return 200, {"status": "ok"}
         status = "restarting" if self.state == "ready" else self.state
         return 503, {"status": status, "restarts": self.restarts, "last_exit": self.last_exit}
 
     def submit(self, command: dict[str, Any]) -> Job:
-        """Queue a request; a 503 when no engine is answering or the queue is full."""
+        """Queue a request; a 503 when no engine is answering or the queue is
+        full, a 422 when an identical request was in a crash of the engine."""
+        refusal = self.crash_suspects.refusal(command)
+        if refusal is not None:
+            self.metrics.crash_refusals.inc()
+            raise ApiError(422, refusal, "invalid_request_error", "request_crashed_engine")
+        if self.draining:
+            raise unavailable("the server is shutting down; retry shortly", "server_stopping")
         if not self.answering:
             raise unavailable(f"the engine is {self.health()[1]['status']}; retry shortly", "engine_unavailable")
         if len(self._in_flight) >= self.parallel and len(self._waiting) >= self.config.max_queue:
@@ -158,6 +185,13 @@ class Supervisor:
                                     "server_failed"))
         self.on_failed()
 
+    def begin_drain(self) -> None:
+        """SIGTERM: take no new requests, serve the accepted ones, restart nothing."""
+        if not self.draining:
+            log.warning("SIGTERM: draining (new requests get 503; %d in flight and %d waiting are served for up to "
+                        "%.0f s)", len(self._in_flight), len(self._waiting), self.config.shutdown_grace_s)
+        self.draining = True
+
     async def stop(self) -> None:
         self._stopping = True
         proc = self._proc
@@ -181,17 +215,18 @@ class Supervisor:
         while not self._stopping:
             code = await self._run_child()
             self.last_exit = self._describe_exit(code)
-            self._fail_jobs(unavailable(
-                f"the engine process exited {self.last_exit['reason']} while this request was pending; "
-                f"it is being restarted, retry shortly", "engine_restarted"))
-            if self._stopping:
+            if self._stopping or self.draining:
+                self._fail_jobs(unavailable("the server is shutting down; retry shortly", "server_stopping"))
                 return
+            self._settle_in_flight()
             now = time.monotonic()
             self._crashes.append(now)
             while self._crashes and now - self._crashes[0] > self.config.restart_window_s:
                 self._crashes.popleft()
             if len(self._crashes) >= self.config.max_restarts:
                 self.state = "failed"
+                self._fail_jobs(unavailable("the server is shutting down after repeated engine crashes",
+                                            "server_failed"))
                 log.error("engine exited %s; last error: %s; that is %d crashes in %.0f s: giving up, "
                           "the server exits so its service manager sees the failure",
                           self.last_exit["reason"], self.last_exit["error"],
@@ -210,12 +245,14 @@ class Supervisor:
     async def _run_child(self) -> int:
         """Start one engine process, serve through it until it exits; its exit code."""
         spec = json.dumps({"model": self.config.model, "options": self.config.engine_options,
-                           "faults": list(self.config.faults)})
-        self._last_error, self._hung = None, False
+                           "faults": list(self.config.faults), "stall_timeout_s": self.config.stall_timeout_s})
+        self._last_error, self._hung, self._stuck, self._suspects = None, False, None, None
+        # Its own session: a signal to the server's process group (Ctrl-C, a
+        # service manager) reaches the server, which stops the engine in order.
         self._proc = proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "strata_server.worker", spec,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            limit=64 << 20,
+            limit=64 << 20, start_new_session=True,
         )
         self._last_heard = time.monotonic()
         log.info("engine process %d started", proc.pid)
@@ -320,6 +357,11 @@ class Supervisor:
             self._wake.set()
         elif kind == "fatal":
             self._last_error = event.get("message")
+            self._suspects = event.get("suspects")
+        elif kind == "pong":
+            busy, bound = event.get("busy_s", 0.0), event.get("bound_s", 0.0)
+            if bound > 0 and busy > bound and self._stuck is None:
+                self._kill_stuck(busy, bound, event.get("requests") or [])
         elif kind == "state":
             self.scheduler, self.slots = event.get("scheduler") or {}, event.get("slots") or []
         elif kind in ("piece", "done", "error"):
@@ -334,8 +376,9 @@ class Supervisor:
                 self.scheduler = event.get("scheduler") or self.scheduler
                 job.events.put_nowait(("done", event))
             else:
+                headers = {"x-should-retry": "false"} if event.get("retry") is False else None
                 job.events.put_nowait(("error", ApiError(event["status"], event["message"], event["type"],
-                                                         event.get("code"))))
+                                                         event.get("code"), headers)))
             job.finished = True
             del self._in_flight[job.id]
             self._wake.set()
@@ -351,6 +394,36 @@ class Supervisor:
                 self._last_error = line
             engine_log.log(level, "engine[%d] %s", pid, line)
 
+    def _kill_stuck(self, busy: float, bound: float, requests: list[int]) -> None:
+        proc = self._proc
+        self._stuck = f"after one piece of its work ran {busy:.1f} s (its bound {bound:.1f} s)"
+        self._suspects = requests
+        log.error("engine process %s is stuck: one piece of its work has run %.1f s, past its bound of %.1f s "
+                  "(requests %s); killing it", None if proc is None else proc.pid, busy, bound, requests)
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+
+    def _settle_in_flight(self) -> None:
+        """After a crash: the requests that were in the failed work (named by
+        the engine, else all in flight) get a 500 not to be retried, and are
+        remembered; others in flight get a 503 to retry; waiting ones stay."""
+        jobs = list(self._in_flight.values())
+        self._in_flight = {}
+        suspects = [j for j in jobs if self._suspects is None or j.id in self._suspects]
+        reason = f"{self.last_exit['reason']} (last error: {self.last_exit['error']})"
+        for job in jobs:
+            job.finished = True
+            if job in suspects:
+                self.crash_suspects.record(job.command, sure=len(suspects) == 1, reason=reason)
+                error = ApiError(500, f"the engine process exited {reason} while serving this request; it is being "
+                                      "restarted. Do not retry this request as is: an identical one is refused for "
+                                      f"{self.config.restart_window_s:.0f} s in case it caused the crash",
+                                 "server_error", "engine_crashed", {"x-should-retry": "false"})
+            else:
+                error = unavailable(f"the engine process exited {self.last_exit['reason']} while this request was "
+                                    "pending; it is being restarted, retry shortly", "engine_restarted")
+            job.events.put_nowait(("error", error))
+
     def _fail_jobs(self, error: ApiError) -> None:
         jobs = list(self._in_flight.values()) + list(self._waiting)
         self._in_flight = {}
@@ -363,6 +436,8 @@ class Supervisor:
     def _describe_exit(self, code: int) -> dict[str, Any]:
         if self._hung:
             reason = f"after it stopped answering for {self.config.hang_timeout_s:g} s (exit code {code})"
+        elif self._stuck:
+            reason = f"{self._stuck} (exit code {code})"
         elif code < 0:
             reason = f"on signal {_signal_name(-code)} (exit code {code})"
         else:

@@ -8,6 +8,14 @@ steps the engine's scheduler, every request in flight advancing together,
 sending each one's text as it comes and the scheduler's state after each
 step (for ``/slots`` and the metrics). When stdin closes (the supervisor is
 gone) the process exits.
+
+Failures (``strata_runtime.faults``): a request's bad arguments are its 400;
+a step that ran out of memory fails that step's requests and the engine goes
+on; anything else (a device error, a lost rank, a broken invariant) is
+reported as ``fatal`` with the requests that were in it, and the process
+exits ``EXIT_FATAL`` so the supervisor starts a fresh engine. Pongs say how
+long the main thread has been in its current piece of work, so a stuck one
+is seen though the reader thread still answers.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -48,7 +57,8 @@ def _claim_stdout() -> BinaryIO:
     return events
 
 
-def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict | None]", cancelled: set) -> None:
+def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict | None]", cancelled: set,
+                   progress: "Progress") -> None:
     for line in stdin:
         try:
             command = decode(line)
@@ -57,7 +67,7 @@ def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict |
             continue
         op = command.get("op")
         if op == "ping":
-            channel.send(ev="pong", seq=command.get("seq"))
+            channel.send(ev="pong", seq=command.get("seq"), **progress.report())
         elif op == "cancel":
             cancelled.add(command["id"])
         elif op == "generate":
@@ -69,6 +79,52 @@ def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict |
     os._exit(0)
 
 
+class Fatal(Exception):
+    """A failure the engine must not outlive: its state may be half-written or
+    a part of it (a device, a rank) is gone. ``suspects``: the requests in
+    flight in the failed work (the supervisor answers them as the likely cause)."""
+
+    def __init__(self, cause: BaseException, suspects: list[int]):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.suspects = suspects
+
+
+class Progress:
+    """What the main thread is working on, for the reader thread's pongs (the
+    supervisor's watchdog: a main thread stuck in a kernel, a deadlock or a
+    runaway loop still answers pings from the reader thread).
+
+    Invariant: ``since`` is None while the main thread waits for commands;
+    otherwise it is when the current piece of work began (one request's
+    tokenizing, or one scheduler step), which may take ``bound_s`` (scaled by
+    the tokens or characters it handles), serving ``requests``."""
+
+    UNITS = 256  # each this many tokens (or 4x as many characters) of work allow one more ``stall_s``
+
+    def __init__(self, stall_s: float):
+        self.stall_s = stall_s
+        self._lock = threading.Lock()
+        self.since: float | None = None
+        self.bound_s = 0.0
+        self.requests: list[int] = []
+
+    def begin(self, tokens: int, requests: list[int]) -> None:
+        with self._lock:
+            self.since = time.monotonic()
+            self.bound_s = self.stall_s * (1 + tokens / self.UNITS)
+            self.requests = requests
+
+    def end(self) -> None:
+        with self._lock:
+            self.since = None
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            busy = 0.0 if self.since is None else time.monotonic() - self.since
+            return {"busy_s": round(busy, 3), "bound_s": round(self.bound_s, 3), "requests": list(self.requests)}
+
+
 class Requests:
     """The requests in flight: each a ``Run`` of the engine, by request id.
 
@@ -77,10 +133,11 @@ class Requests:
 
     STATE_EVERY_S = 0.25  # the scheduler's state is sent at most this often while busy
 
-    def __init__(self, engine, channel: Channel, cancelled: set):
+    def __init__(self, engine, channel: Channel, cancelled: set, progress: Progress):
         self.engine = engine
         self.channel = channel
         self.cancelled = cancelled
+        self.progress = progress
         self.active: dict[int, Any] = {}
         self._state_sent = 0.0
 
@@ -89,9 +146,11 @@ class Requests:
         return bool(self.active) or self.engine.scheduler.busy
 
     def start(self, command: dict[str, Any]) -> None:
-        """Tokenize and queue one request, or answer its error."""
-        from strata_runtime import (Cancelled, ChatTemplateError, ContextLengthError, QueueFull,
-                                    StrataError)
+        """Tokenize and queue one request, or answer its error. Only argument
+        checks are the client's fault (400); anything else is logged with its
+        traceback and answered 500 (tokenizing touches no engine state)."""
+        from strata_runtime import Cancelled, QueueFull
+        from strata_runtime.errors import ContextLengthError, RequestError
 
         rid = command["id"]
         if rid in self.cancelled:  # cancelled before it started
@@ -101,6 +160,8 @@ class Requests:
         # Asked between chunks of tokenizing, so a client that left stops costing engine time.
         options = {"abort": lambda: rid in self.cancelled, "cache_scope": command.get("cache_scope", ""),
                    **command["sampling"]}
+        text = command["messages"] if command["kind"] == "chat" else command["prompt"]
+        self.progress.begin(len(json.dumps(text)) // 4, [rid])
         try:
             if command["kind"] == "chat":
                 run = self.engine.submit(messages=command["messages"], **options)
@@ -118,32 +179,57 @@ class Requests:
             self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error",
                               code="context_length_exceeded", message=str(e))
             return
-        except (StrataError, ChatTemplateError, ValueError, TypeError) as e:
+        except RequestError as e:
             self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=None, message=str(e))
             return
+        except Exception as e:
+            log.exception("request %s failed before it was queued (an internal error, not the request's)", rid)
+            self._internal_error(rid, e)
+            return
+        finally:
+            self.progress.end()
         self.active[rid] = run
 
     def step(self) -> None:
-        """One scheduler step, then each request's new text; ``done`` for those that ended."""
+        """One scheduler step, then each request's new text; ``done`` for
+        those that ended. A step that ran out of memory fails its requests
+        (503, retry) and the engine goes on: their state was dropped, the rest
+        is whole. Any other failure raises ``Fatal``."""
+        from strata_runtime.faults import StepFailed
+
         for rid, run in self.active.items():
             if rid in self.cancelled and not run.seq.done:
                 log.info("request %s stopped: %s", rid, run.seq.progress())
                 run.seq.cancel("cancelled")
         scheduler = self.engine.scheduler
+        stepping = [rid for rid, run in self.active.items() if run.seq.state != "waiting"]
+        self.progress.begin(_step_tokens(scheduler), stepping or list(self.active))
         try:
             scheduler.step()
-        except Exception as e:  # the step's requests get a 500; the engine goes on with the next ones
-            log.exception("a scheduler step failed")
-            for rid, run in list(self.active.items()):
-                if run.seq.state != "waiting":
-                    run.seq.cancel("error")
-                    self.channel.send(ev="error", id=rid, status=500, type="server_error", code=None,
-                                      message=f"the engine failed on this request ({type(e).__name__}: {e})")
-                    del self.active[rid]
-                    self.cancelled.discard(rid)
-            scheduler.retire()
+        except StepFailed as e:
+            failed = [rid for rid, run in self.active.items() if run.seq.id in e.sequences]
+            if not e.out_of_memory:
+                raise Fatal(e.__cause__ or e, failed) from e
+            log.warning("a step ran out of memory (%s); its requests %s fail, the engine goes on", e, failed)
+            for rid in failed:
+                self.channel.send(ev="error", id=rid, status=503, type="server_error", code="out_of_memory",
+                                  message=f"the engine ran out of memory on this request's step ({e.__cause__}); "
+                                          "retry shortly, or with a shorter prompt")
+                del self.active[rid]
+                self.cancelled.discard(rid)
+        except Exception as e:  # outside any one step's forward: the scheduler itself is broken
+            raise Fatal(e, stepping or list(self.active)) from e
+        finally:
+            self.progress.end()
         for rid, run in list(self.active.items()):
-            piece = run.pump()
+            try:
+                piece = run.pump()
+            except Exception as e:  # this request's text (a bug): it ends, the engine's state is whole
+                log.exception("request %s: its text could not be made", rid)
+                run.seq.cancel("error")
+                del self.active[rid]
+                self._internal_error(rid, e)
+                continue
             if piece:
                 self.channel.send(ev="piece", id=rid, text=piece)
             if run.completion is not None:
@@ -154,9 +240,29 @@ class Requests:
         if now - self._state_sent >= self.STATE_EVERY_S or not self.busy:
             self.send_state()
 
+    def _internal_error(self, rid: int, e: BaseException) -> None:
+        """A 500 the client should not retry as is: the same request would fail the same way."""
+        self.cancelled.discard(rid)
+        self.channel.send(ev="error", id=rid, status=500, type="server_error", code="internal_error", retry=False,
+                          message=f"internal error while serving this request ({type(e).__name__}: {e}); "
+                                  "the server log has the traceback")
+
+    def refuse_stopping(self, rid: int) -> None:
+        self.channel.send(ev="error", id=rid, status=503, type="server_error", code="engine_stopping",
+                          message="the engine is shutting down; retry shortly")
+
     def send_state(self) -> None:
         self._state_sent = time.monotonic()
         self.channel.send(ev="state", scheduler=self.engine.scheduler.stats(), slots=self.engine.scheduler.slots())
+
+
+def _step_tokens(scheduler) -> int:
+    """At most how many tokens the next step reads: a row per decoding
+    sequence, and up to a chunk of the prompts still to read."""
+    decoding = sum(s.state == "decoding" for s in scheduler.running)
+    unread = sum(len(s.tokens) - (s.cache.length if s.cache is not None else 0)
+                 for s in (*scheduler.running, *scheduler.waiting) if s.state != "decoding")
+    return decoding + min(unread, scheduler.chunk_tokens)
 
 
 def _send_done(channel: Channel, rid: int, engine, completion) -> None:
@@ -169,17 +275,28 @@ def _send_done(channel: Channel, rid: int, engine, completion) -> None:
                  scheduler=engine.scheduler.stats())
 
 
+EXIT_FATAL = 70  # EX_SOFTWARE: the engine ended itself after a failure it must not outlive
+IDLE_POLL_S = 0.2  # how often an idle main thread looks at the SIGTERM flag
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(argv[0])
     channel = Channel(_claim_stdout())
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # SIGTERM (a service manager stopping everything in the server's cgroup)
+    # drains: requests in flight finish, new ones are turned away, then exit 0.
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     inbox: queue.Queue[dict | None] = queue.Queue()
     cancelled: set = set()
-    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, channel, inbox, cancelled),
+    progress = Progress(float(spec.get("stall_timeout_s", 60.0)))
+    threading.Thread(target=_read_commands, args=(sys.stdin.buffer, channel, inbox, cancelled, progress),
                      name="commands", daemon=True).start()
-    for fault in spec.get("faults", ()):
-        _arm(fault)
+    faults = [_parse_fault(f) for f in spec.get("faults", ())]
+    for point, rate, kind, marker in faults:
+        if marker is None:
+            _arm(point, rate, kind)
     try:
         from strata_runtime import load
 
@@ -187,21 +304,42 @@ def main(argv: list[str] | None = None) -> int:
         engine.tokenizer.prepare()  # not on the first long request
     except Exception as e:
         log.error("the engine could not start: %s: %s", type(e).__name__, e)
-        channel.send(ev="fatal", message=f"{type(e).__name__}: {e}")
+        channel.send(ev="fatal", message=f"{type(e).__name__}: {e}", suspects=[])
         return 1
+    for point, rate, kind, marker in faults:
+        if marker is not None:
+            _arm(point, rate, kind, _contains(engine.tokenizer.encode(marker, add_bos=False)), marker)
     channel.send(ev="ready", pid=os.getpid(), props=engine.props(), stats=engine.stats())
-    requests = Requests(engine, channel, cancelled)
+    requests = Requests(engine, channel, cancelled, progress)
     requests.send_state()
+    try:
+        return _serve(inbox, requests, stopping)
+    except Fatal as e:
+        log.critical("the engine cannot go on after %s (requests %s were in it); exiting so that the supervisor "
+                     "starts a fresh one", e, e.suspects, exc_info=e.cause)
+        channel.send(ev="fatal", message=str(e)[:500], suspects=e.suspects)
+        return EXIT_FATAL
+
+
+def _serve(inbox: "queue.Queue[dict | None]", requests: Requests, stopping: threading.Event) -> int:
+    """Take commands and step until told to shut down (0), or until SIGTERM
+    and the requests in flight have finished (0)."""
     while True:
+        if stopping.is_set() and not requests.busy:
+            log.info("SIGTERM: the requests in flight have finished; exiting")
+            return 0
         # Wait for work when there is none; otherwise take what has arrived and step.
         try:
-            command = inbox.get(block=not requests.busy)
+            command = inbox.get(timeout=IDLE_POLL_S) if not requests.busy else inbox.get_nowait()
         except queue.Empty:
             command = _NOTHING
         while command is not _NOTHING:
             if command is None:
                 return 0
-            requests.start(command)
+            if stopping.is_set():
+                requests.refuse_stopping(command["id"])
+            else:
+                requests.start(command)
             try:
                 command = inbox.get_nowait()
             except queue.Empty:
@@ -216,16 +354,33 @@ _NOTHING = object()  # no command waiting
 _ARMED: list = []
 
 
-def _arm(fault: str) -> None:
-    """``--inject-fault POINT[:RATE]``, armed for the life of this process."""
+def _parse_fault(text: str) -> tuple[str, float, str, str | None]:
+    """``POINT[:RATE[:KIND]][@TEXT]`` (checked by the CLI): TEXT limits a
+    ``forward`` fault to steps carrying a prompt that contains it."""
+    head, at, marker = text.partition("@")
+    point, _, rest = head.partition(":")
+    rate, _, kind = rest.partition(":")
+    return point, float(rate or 1.0), kind or "oom", marker if at else None
+
+
+def _contains(needle: list[int]):
+    """A ``match`` for the ``forward`` point: a step one of whose sequences holds ``needle``."""
+    n = len(needle)
+
+    def match(token_lists) -> bool:
+        return any(tokens[i:i + n] == needle for tokens in token_lists for i in range(len(tokens) - n + 1))
+    return match
+
+
+def _arm(point: str, rate: float, kind: str, match=None, marker: str | None = None) -> None:
+    """One ``--inject-fault``, armed for the life of this process."""
     from strata_runtime.testing import inject_fault
 
-    point, _, rate = fault.partition(":")
-    armed = inject_fault(point, rate=float(rate or 1.0), seed=os.getpid())
+    armed = inject_fault(point, rate=rate, seed=os.getpid(), kind=kind, match=match)
     armed.__enter__()
     _ARMED.append(armed)  # held: a collected context manager would disarm it
-    log.warning("fault injection: %s fails with out-of-memory on %s of its calls", point,
-                f"{float(rate):.0%}" if rate else "all")
+    log.warning("fault injection: %s fails (%s) on %s of its calls%s", point, kind,
+                "all" if rate >= 1 else f"{rate:.0%}", "" if marker is None else f" carrying {marker!r}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from ..kv_cache import KVCache
 from ..layers import TiedEmbedding
 from ..placement import EMBEDDING
 from ..state import AttentionState, LayerState
+from ..testing import fault_point
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class DecoderModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 last_only: bool = False) -> torch.Tensor:
         x = self.embed(tokens)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            fault_point("layer", i)
             x = layer(x, positions, cache)
         return finish(self, x, cache, last_only)
 

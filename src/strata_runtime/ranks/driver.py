@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import StrataError
+from ..faults import RankFailed
 from ..kv_cache import KVCache
 from ..pipeline import StagePlan
 from .common import StageLost
@@ -49,10 +49,7 @@ class RankPipeline(nn.Module):
         self.command({"op": "forward", "id": cache.remote_id, "start": int(positions[0]), "tokens": int(x.shape[0]),
                       "last_only": last_only, "dtype": str(x.dtype).removeprefix("torch.")})
         self.wire.send_tensor(x, 1)
-        try:
-            answer = self.reply(self.last_rank)
-        except RuntimeError as e:
-            raise StrataError(f"the split's forward failed on {e}") from None
+        answer = self.reply(self.last_rank, "the split's forward failed on ")
         logits = self.wire.recv_tensor(answer["shape"], torch.float32, self.last_rank)
         cache.advance(x.shape[0])
         return logits.to(x.device)
@@ -95,12 +92,13 @@ class RankPipeline(nn.Module):
             self.wire.send_obj({"op": "free_cache", "id": self._freed.pop()}, 1)
         self.wire.send_obj(cmd, 1)
 
-    def reply(self, rank: int) -> dict[str, Any]:
-        """A follower's answer to the last command; its error raised as RuntimeError
-        (a device failure: the conversation cache skips on those)."""
+    def reply(self, rank: int, context: str = "") -> dict[str, Any]:
+        """A follower's answer to the last command; its error raised as
+        ``RankFailed`` (out-of-memory there is an optimization's skip here,
+        anything else ends the engine, as a local failure would)."""
         answer = self.wire.recv_obj(rank)
         if "error" in answer:
-            raise RuntimeError(f"rank {rank}: {answer['error']}")
+            raise RankFailed(f"{context}rank {rank}: {answer['error']}", bool(answer.get("out_of_memory")))
         return answer
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..faults import is_out_of_memory
 from ..kv_cache import KVCache
 from ..kv_pool import store_fields
 from ..models.decoder import finish
@@ -59,7 +60,7 @@ class Follower:
                     self._parts(cmd)
 
     def _forward(self, cmd: dict[str, Any]) -> None:
-        error = cmd.get("error")
+        error, out_of_memory = cmd.get("error"), cmd.get("out_of_memory", False)
         x = None
         if error is None:
             x = self.wire.recv_tensor((cmd["tokens"], self.model.hidden_size), getattr(torch, cmd["dtype"]),
@@ -70,12 +71,13 @@ class Follower:
             except Exception as e:  # reported to rank 0, which raises it into the request
                 log.exception("rank %d: forward failed", self.rank)
                 error = f"{type(e).__name__}: {first_line(e)}"
+                out_of_memory = is_out_of_memory(e)
         if not self.last:
-            self.wire.send_obj({**cmd, "error": error} if error else cmd, self.rank + 1)
+            self.wire.send_obj({**cmd, "error": error, "out_of_memory": out_of_memory} if error else cmd, self.rank + 1)
             if error is None:
                 self.wire.send_tensor(x, self.rank + 1)
         elif error:
-            self.wire.send_obj({"error": error}, 0)
+            self.wire.send_obj({"error": error, "out_of_memory": out_of_memory}, 0)
         else:
             self.wire.send_obj({"ok": True, "shape": list(x.shape)}, 0)
             self.wire.send_tensor(x, 0)
@@ -101,7 +103,7 @@ class Follower:
             # A GPU rank goes through host copies: gloo sends host memory.
             host = [(r.cpu() if r.device.type != "cpu" else r, sizes) for r, sizes in rows]
         except Exception as e:
-            self.wire.send_obj({"error": f"{type(e).__name__}: {first_line(e)}"}, 0)
+            self.wire.send_obj({"error": f"{type(e).__name__}: {first_line(e)}", "out_of_memory": is_out_of_memory(e)}, 0)
             if cmd["op"] == "write_parts":  # rank 0 sends the bytes regardless: take them
                 for _, _, _, _, sizes in cmd["pieces"]:
                     for size in sizes:

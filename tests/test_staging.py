@@ -126,3 +126,32 @@ def test_no_host_allocation_after_start():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["ok", "True"], out.stdout + out.stderr
+
+
+def test_parks_checkpoints_and_restores_allocate_no_tensor_storage():
+    """Issue 23, item 13: capping the address space (above) catches growth,
+    not allocation. Here torch's profiler counts every tensor allocation the
+    copy paths make: parks, checkpoints and restores (the pool's pages were
+    reserved at start) allocate none, however often they run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Saved
+    from strata_runtime.kv_cache import KVCache
+    from strata_runtime.state import AttentionState
+
+    cc = ConversationCache(StagingPool(64, 1 << 20), slots=2)
+    cache = KVCache("int8", [AttentionState(2, 128, 64), AttentionState(2, 128)] * 2, 4096)
+    for store in cache.stores:
+        store.k.random_(-127, 127)
+        store.v.random_(-127, 127)
+    tokens = list(range(1000))
+    outcomes = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i in range(5):
+            cache.length = 1000
+            outcomes.append(isinstance(cc.park(cache, tokens[:999] + [i]), Parked))
+            outcomes.append(isinstance(cc.save_checkpoint(cache, tokens[:999] + [i]), Saved))
+            outcomes.append(cc.restore(cache, [], tokens[:999] + [i, 7]) == Restored(1000, "parked"))
+    assert all(outcomes)
+    allocated = [(e.name, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage > 0]
+    assert allocated == [], allocated[:10]

@@ -87,22 +87,34 @@ class _Stored:
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)
 class Snapshot:
     """A parked sequence: ``tokens`` (whose KV it holds) and, per layer, the
     positions its store still held: ``0..length-1`` for full-attention layers,
     the ring's last ``capacity`` positions for sliding ones, the state after
     the last token for recurrent ones. Only a request of
-    the same ``scope`` may restore it."""
+    the same ``scope`` may restore it.
+
+    A snapshot that extends an older one of its conversation (``base``: its
+    tokens are a prefix of these) stores only what the base does not hold:
+    per layer, positions from ``max(base.length, length - capacity)`` on.
+    Invariant: the chain (``chain()``: the base's chain, then this one)
+    holds every position above, and each member's bytes stay in the pool
+    while a member after it does."""
 
     tokens: tuple[int, ...]
     stored: _Stored
     scope: str = ""
     last_used: float = field(default_factory=time.monotonic)
+    base: "Snapshot | None" = None
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    def chain(self) -> list["Snapshot"]:
+        """This snapshot's bases, oldest first, then itself: the copies a restore makes, in order."""
+        return ([] if self.base is None else self.base.chain()) + [self]
 
 
 @dataclass
@@ -138,7 +150,8 @@ class ConversationCache:
     ``pool`` pages.
 
     Invariant: every snapshot and checkpoint owns one unreleased lease; at
-    most ``slots`` snapshots are kept; counters count every outcome.
+    most ``slots`` conversations (snapshots no other extends, with their
+    chains) are kept; counters count every outcome.
     """
 
     def __init__(self, pool: StagingPool, slots: int = 8, checkpoint_every: int = 0, min_park_tokens: int = 16,
@@ -186,7 +199,7 @@ class ConversationCache:
                 return Skipped(f"copy failed{_part(stage, stages)}: out of memory ({describe(e)})", "out_of_memory")
         return None
 
-    def _lease(self, nbytes: int, what: str, evict_snapshots: bool) -> Lease | Skipped:
+    def _lease(self, nbytes: int, what: str, evict_snapshots: bool, keep: frozenset = frozenset()) -> Lease | Skipped:
         if self.pool.total_bytes == 0:
             return Skipped(f"no staging pool: {self.pool_refusal}", "no_pool")
         if nbytes > self.pool.total_bytes:
@@ -205,30 +218,49 @@ class ConversationCache:
                 if evicted:
                     self.counters["evictions"] += evicted
                 return lease
-            if not self._evict_one(evict_snapshots):
+            if not self._evict_one(evict_snapshots, keep):
                 return Skipped(f"staging pool: need {_mib(nbytes)}, {_mib(self.pool.free_bytes)} free "
                                f"after evicting {evicted}", "pool_full")
             evicted += 1
 
-    def _evict_one(self, evict_snapshots: bool) -> bool:
+    def _evict_one(self, evict_snapshots: bool, keep: frozenset = frozenset()) -> bool:
         """Free the least recently used non-root checkpoint or (when a
-        snapshot is asking) snapshot. A checkpoint never displaces a parked
-        conversation: that would trade a whole conversation for a shortcut."""
+        snapshot is asking) parked conversation, never one in ``keep``. A
+        checkpoint never displaces a parked conversation: that would trade
+        a whole conversation for a shortcut."""
         victims = [c for c in self.checkpoints if not c.root]
         if evict_snapshots:
-            victims += self.snapshots
+            victims += [s for s in self._heads() if s not in keep]
         if not victims:
             return False
         victim = min(victims, key=lambda x: x.last_used)
-        self._drop(victim)
+        if isinstance(victim, Snapshot):
+            self._drop_conversation(victim, keep)
+        else:
+            self._drop(victim)
         return True
 
+    def _heads(self) -> list[Snapshot]:
+        """The snapshots no other extends: one per parked conversation (or branch of one)."""
+        bases = {s.base for s in self.snapshots}
+        return [s for s in self.snapshots if s not in bases]
+
+    def _drop_conversation(self, head: Snapshot, keep: frozenset = frozenset()) -> None:
+        """``head`` and each base of it that nothing else extends (and that is not in ``keep``)."""
+        item: Snapshot | None = head
+        while item is not None and item not in keep and not any(s.base is item for s in self.snapshots):
+            base = item.base
+            self._drop(item)
+            item = base
+
     def _drop(self, item: Snapshot | Checkpoint) -> None:
-        self.pool.release(item.stored.lease)
         if isinstance(item, Snapshot):
+            for dependent in [s for s in self.snapshots if s.base is item]:
+                self._drop(dependent)  # it holds only what ``item`` does not
             self.snapshots.remove(item)
         else:
             self.checkpoints.remove(item)
+        self.pool.release(item.stored.lease)
 
     # --- storing ranges of a cache --------------------------------------------
 
@@ -264,9 +296,9 @@ class ConversationCache:
             else:
                 stored.lease.copy_out(at, piece)
 
-    def _store(self, cache: KVCache, layers, point: str, what: str) -> _Stored | Skipped:
+    def _store(self, cache: KVCache, layers, point: str, what: str, keep: frozenset = frozenset()) -> _Stored | Skipped:
         parts, nbytes = self._plan(cache, layers)
-        lease = self._lease(nbytes, what, evict_snapshots=point == "park_copy")
+        lease = self._lease(nbytes, what, evict_snapshots=point == "park_copy", keep=keep)
         if isinstance(lease, Skipped):
             return lease
         stored = _Stored(lease, parts, nbytes)
@@ -292,17 +324,23 @@ class ConversationCache:
         if any(s.tokens == tokens and s.scope == scope for s in self.snapshots):
             return Skipped("not parked (already parked)", "not_needed")
         t0 = time.perf_counter()
-        layers = [(i, max(0, len(tokens) - cache.capacity(i)), len(tokens)) for i in range(len(cache.stores))]
-        # A snapshot this sequence extends is superseded: free its pages first.
-        for old in [s for s in self.snapshots if tokens[:s.length] == s.tokens and s.scope == scope]:
-            self._drop(old)
-        while len(self.snapshots) >= self.slots:
-            self._drop(min(self.snapshots, key=lambda s: s.last_used))
+        # An older snapshot of this conversation (the longest this sequence
+        # extends) stays and becomes the base: only what it lacks is copied,
+        # and it is not touched before that copy is in, so a failed copy loses nothing.
+        base = max((s for s in self.snapshots if s.scope == scope and s.length < len(tokens)
+                    and tokens[:s.length] == s.tokens), key=lambda s: s.length, default=None)
+        keep = frozenset(base.chain()) if base is not None else frozenset()
+        start = 0 if base is None else base.length
+        layers = [(i, max(start, len(tokens) - cache.capacity(i)), len(tokens)) for i in range(len(cache.stores))]
+        while len(others := [s for s in self._heads() if s is not base]) >= self.slots:
+            self._drop_conversation(min(others, key=lambda s: s.last_used), keep)
             self.counters["evictions"] += 1
-        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot")
+        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot", keep)
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"skip parking ({stored.reason})", stored.cause), "park")
-        self.snapshots.append(Snapshot(tokens, stored, scope))
+        self.snapshots.append(Snapshot(tokens, stored, scope, base=base))
+        for member in keep:
+            member.last_used = time.monotonic()
         return self._record(Parked(len(tokens), stored.nbytes, time.perf_counter() - t0), "park")
 
     # --- checkpoints --------------------------------------------------------------
@@ -374,11 +412,16 @@ class ConversationCache:
             if not cache.reserve(position):
                 return self._record(Skipped("restore skipped (no free KV blocks on the device); prefilling from "
                                             "scratch", "no_blocks"), "restore")
-            failed = self._copy("restore_copy", cache, snap.stored, to_pool=False, upto=position)
-            if failed:
-                return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch", failed.cause),
-                                    "restore")
-            snap.last_used = time.monotonic()
+            # Oldest first: a later member's positions overwrite a ring's older
+            # ones. A member that starts at or past ``position`` adds nothing.
+            for member in [m for m in snap.chain() if m.base is None or m.base.length < position]:
+                failed = self._copy("restore_copy", cache, member.stored, to_pool=False, upto=position)
+                if failed:
+                    cache.reset()
+                    return self._record(Skipped(f"restore skipped ({failed.reason}); prefilling from scratch",
+                                                failed.cause), "restore")
+            for member in snap.chain():
+                member.last_used = time.monotonic()
         if cp is not None:
             failed = self._copy("restore_copy", cache, cp.stored, to_pool=False)
             if failed:

@@ -22,7 +22,7 @@ from .gguf_file import GGUFFile
 from .kv_cache import KVCache
 from .kv_pool import KVPool
 from .compute_path import DTYPE_NAMES
-from .loader import build_model, open_model
+from .loader import build_model, check_vocabulary, open_model
 from .pipeline import Pipeline, parse_devices, parse_layer_split, plan_split
 from .placement import Placement
 from .memory import MiB, HostMemory
@@ -164,6 +164,7 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
     else:
         placement = Placement.one_device(config.device, len(opened.state_spec))
     tokenizer = Tokenizer.from_gguf(gguf)
+    check_vocabulary(gguf, tokenizer.vocab.size)
     model = build_model(opened, placement, config.dtype, config.progress, f"loading {gguf.path.name}")
     runner = model if len(placement.stage_devices) == 1 else Pipeline(model)
     return Engine(gguf, runner, tokenizer, config, memory)
@@ -181,7 +182,9 @@ def _load_rank0(path, config: EngineConfig, memory: HostMemory | None) -> "Engin
     stage = join_stage(path, config, memory, rank0=True)
     pipeline = RankPipeline(stage.model, stage.stages, stage.wire)
     ready(0)
-    return Engine(stage.gguf, pipeline, Tokenizer.from_gguf(stage.gguf), config, memory)
+    tokenizer = Tokenizer.from_gguf(stage.gguf)
+    check_vocabulary(stage.gguf, tokenizer.vocab.size)
+    return Engine(stage.gguf, pipeline, tokenizer, config, memory)
 
 
 class Engine:

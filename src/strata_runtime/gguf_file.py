@@ -72,9 +72,15 @@ class ModelConfig:
     sliding_window: int | None
     file_type: int | None
     metadata: dict[str, Any] = field(repr=False)
+    path: str = ""  # the file it came from, for errors
 
     def arch_key(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def arch_whole(self, key: str, default: int | None = None, minimum: int = 1) -> int | None:
+        """``{arch}.{key}`` as a count: a whole number of at least ``minimum``
+        (``ModelFileError`` naming the key otherwise); ``default`` where absent."""
+        return whole_number(self.path, f"{self.architecture}.{key}", self.arch_key(key, default), minimum)
 
     def experts(self) -> Experts | None:
         """A mixture-of-experts model's routing as its metadata gives it; None
@@ -138,6 +144,17 @@ class GGUFFile:
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
+
+    def check_block_count(self) -> None:
+        """``block_count`` layers must have tensors (``blk.N.*``): a count far
+        past them would size every per-layer structure by it before any
+        missing tensor is noticed."""
+        blocks = self.config.block_count
+        in_file = 1 + max((int(n.split(".")[1]) for n in self._tensors
+                           if n.startswith("blk.") and n.split(".")[1].isdigit()), default=-1)
+        if blocks > in_file:
+            raise ModelFileError(f"{self.path}: metadata key {self.architecture}.block_count is {blocks} but the "
+                                 f"tensors cover {in_file} layers; the file is malformed: convert it again")
 
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
@@ -234,26 +251,53 @@ def _model_config(gguf: GGUFFile) -> ModelConfig:
             raise ModelFileError(f"{gguf.path} lacks the metadata key {arch}.{name}; the file is incomplete")
         return value
 
-    n_embd = key("embedding_length", required=True)
-    n_head = key("attention.head_count", required=True)
+    def whole(name: str, default: Any = None, required: bool = False, minimum: int = 1) -> int | None:
+        return whole_number(str(gguf.path), f"{arch}.{name}", key(name, default, required), minimum)
+
+    def positive(name: str, default: float) -> float:
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ModelFileError(f"{gguf.path}: metadata key {arch}.{name} is {value!r}; a positive number belongs "
+                                 "there. The file is malformed: convert it again")
+        return float(value)
+
+    n_embd = whole("embedding_length", required=True)
+    n_head = whole("attention.head_count", required=True)
+    n_head_kv = whole("attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise ModelFileError(f"{gguf.path}: {arch}.attention.head_count ({n_head}) is not a multiple of "
+                             f"{arch}.attention.head_count_kv ({n_head_kv}); the file is malformed")
     head_dim = n_embd // n_head
+    blocks = whole("block_count", required=True)
     return ModelConfig(
         architecture=arch,
         name=str(md.get("general.name", gguf.path.stem)),
-        context_length=int(key("context_length", required=True)),
-        embedding_length=int(n_embd),
-        block_count=int(key("block_count", required=True)),
-        feed_forward_length=int(key("feed_forward_length", 0)),
-        head_count=int(n_head),
-        head_count_kv=int(key("attention.head_count_kv", n_head)),
-        key_length=int(key("attention.key_length", head_dim)),
-        value_length=int(key("attention.value_length", head_dim)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_freq_base=float(key("rope.freq_base", 10000.0)),
-        sliding_window=key("attention.sliding_window"),
+        context_length=whole("context_length", required=True),
+        embedding_length=n_embd,
+        block_count=blocks,
+        feed_forward_length=whole("feed_forward_length", 0, minimum=0),
+        head_count=n_head,
+        head_count_kv=n_head_kv,
+        key_length=whole("attention.key_length", max(head_dim, 1)),
+        value_length=whole("attention.value_length", max(head_dim, 1)),
+        rms_norm_eps=positive("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_freq_base=positive("rope.freq_base", 10000.0),
+        sliding_window=whole("attention.sliding_window"),
         file_type=md.get("general.file_type"),
         metadata=md,
+        path=str(gguf.path),
     )
+
+
+def whole_number(path: str, key: str, value: Any, minimum: int = 1) -> int | None:
+    """A count read from metadata ``key``: a whole number (not an array, text
+    or flag) of at least ``minimum``; None stays None (absent)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelFileError(f"{path}: metadata key {key} is {value!r}; a whole number of at least {minimum} "
+                             "belongs there. The file is malformed: convert it again")
+    return value
 
 
 def describe_types(gguf: GGUFFile) -> dict[str, tuple[int, int]]:

@@ -9,9 +9,11 @@ their ``Placement`` differs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +22,8 @@ from strata_kernels import QuantTensor
 
 from .backend import Backend
 from .compute_path import ComputePath, resolve
+from .errors import ModelFileError, StrataError
+from .faults import describe, is_out_of_memory
 from .gguf_file import GGUFFile
 from .models import model_module
 from .placement import EMBEDDING, Placement
@@ -42,12 +46,63 @@ class OpenedModel:
 def open_model(path_or_file: str | Path | GGUFFile) -> OpenedModel:
     gguf = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile.open(path_or_file)
     module = model_module(gguf.architecture, gguf.path)
-    return OpenedModel(gguf, module, module.ModelArgs.from_config(gguf.config, vocab_size(gguf)))
+    gguf.check_block_count()
+    with malformed_as_model_file_error(gguf):
+        opened = OpenedModel(gguf, module, module.ModelArgs.from_config(gguf.config, vocab_size(gguf)))
+        opened.state_spec  # computed from the metadata: a bad value fails here, not in the first request
+    check_tensor_shapes(opened)
+    return opened
+
+
+def check_tensor_shapes(opened: OpenedModel) -> None:
+    """Every tensor the metadata gives a shape for has it (``ModelFileError``
+    naming the tensor otherwise): the token table's width, and each layer's
+    (``ModelArgs.tensor_shapes``) where the file has the tensor."""
+    gguf, args = opened.gguf, opened.args
+    expected = {EMBEDDING: (args.vocab_size, args.hidden_size)}
+    for layer in range(args.n_layers):
+        expected |= {f"blk.{layer}.{name}": shape for name, shape in args.tensor_shapes(layer).items()}
+    for name, shape in expected.items():
+        if gguf.has_tensor(name) and (actual := gguf.tensor_info(name).shape) != shape:
+            raise ModelFileError(f"{gguf.path}: tensor {name} has shape {list(actual)}, but the metadata "
+                                 f"({gguf.architecture}.embedding_length, .attention.head_count, "
+                                 f".attention.head_count_kv, .attention.key_length, .feed_forward_length) gives "
+                                 f"{list(shape)}; the file is malformed: convert it again")
 
 
 def vocab_size(gguf: GGUFFile) -> int:
     """The number of rows of the token table: the logits' width (the one rule)."""
-    return next(t.shape[0] for t in gguf.tensor_infos() if t.name == EMBEDDING)
+    return gguf.tensor_info(EMBEDDING).shape[0]
+
+
+def check_vocabulary(gguf: GGUFFile, tokens: int) -> None:
+    """The tokenizer's ids must all have a row in the token table: an id in
+    between would index past it (a device-side assert on a GPU)."""
+    rows = vocab_size(gguf)
+    if tokens > rows:
+        raise ModelFileError(f"{gguf.path}: the tokenizer has {tokens} tokens (tokenizer.ggml.tokens) but the token "
+                             f"table {EMBEDDING} has {rows} rows; the file is malformed: convert it again")
+
+
+@contextmanager
+def malformed_as_model_file_error(gguf: GGUFFile) -> Iterator[None]:
+    """Whatever building a model from ``gguf`` trips over in its metadata or
+    tensor shapes (a zero head count, an array where a number belongs, a
+    shape that does not fit) becomes a ``ModelFileError`` naming the file;
+    the checks that name a key or tensor raise their own before this."""
+    try:
+        yield
+    except ModelFileError as e:
+        if str(gguf.path) in str(e):
+            raise
+        raise ModelFileError(f"{gguf.path}: {e}") from e
+    except (ZeroDivisionError, TypeError, ValueError, IndexError, KeyError, OverflowError, AttributeError,
+            RuntimeError) as e:
+        if isinstance(e, StrataError) or is_out_of_memory(e):
+            raise
+        raise ModelFileError(f"{gguf.path} does not describe a {gguf.architecture} model Strata can build "
+                             f"({type(e).__name__}: {describe(e)}); its metadata or tensor shapes are malformed: "
+                             "convert it again") from e
 
 
 class Weights:
@@ -111,7 +166,7 @@ def build_model(opened: OpenedModel, placement: Placement, dtype: str, progress:
     names = opened.gguf.tensor_names()
     with tqdm(total=len(names), desc=desc, unit="tensor", disable=not progress) as bar:
         weights = Weights(opened.gguf, placement, path, bar)
-        with torch.inference_mode():
+        with torch.inference_mode(), malformed_as_model_file_error(opened.gguf):
             model = opened.module.Model(opened.args, weights)
     model.placement = placement
     model.activations = path.activations

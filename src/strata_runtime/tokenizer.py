@@ -97,23 +97,44 @@ def read_vocabulary(gguf: GGUFFile) -> Vocabulary:
     tokens = gguf.get("tokenizer.ggml.tokens")
     if model is None or tokens is None:
         raise ModelFileError(f"{gguf.path} has no tokenizer (tokenizer.ggml.*); Strata needs a GGUF with its vocabulary")
+    if not isinstance(model, str) or not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ModelFileError(f"{gguf.path}: tokenizer.ggml.model must be text and tokenizer.ggml.tokens a list of "
+                             "texts; the file is malformed: convert it again")
     n = len(tokens)
-    types = list(gguf.get("tokenizer.ggml.token_type", [NORMAL] * n))
-    scores = [float(s) for s in gguf.get("tokenizer.ggml.scores", [0.0] * n)]
-    bos = gguf.get("tokenizer.ggml.bos_token_id")
-    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    types = _per_token(gguf, "tokenizer.ggml.token_type", [NORMAL] * n, n, int)
+    scores = _per_token(gguf, "tokenizer.ggml.scores", [0.0] * n, n, float)
     return Vocabulary(
         model=model,
         tokens=list(tokens),
         types=types,
         scores=scores,
-        bos_id=None if bos is None else int(bos),
-        eos_id=None if eos is None else int(eos),
+        bos_id=_token_id(gguf, "tokenizer.ggml.bos_token_id", n),
+        eos_id=_token_id(gguf, "tokenizer.ggml.eos_token_id", n),
         add_bos=bool(gguf.get("tokenizer.ggml.add_bos_token", model == "llama")),
         add_space_prefix=bool(gguf.get("tokenizer.ggml.add_space_prefix", model == "llama")),
         pre=str(gguf.get("tokenizer.ggml.pre", "default")),
         merges=list(gguf.get("tokenizer.ggml.merges", []) or []),
     )
+
+
+def _per_token(gguf: GGUFFile, key: str, default: list, n: int, kind: type) -> list:
+    """A list with one number per token (``ModelFileError`` naming ``key`` otherwise)."""
+    values = gguf.get(key, default)
+    if not isinstance(values, list) or len(values) != n or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ModelFileError(f"{gguf.path}: metadata key {key} must list one number for each of the {n} tokens; "
+                             "the file is malformed: convert it again")
+    return [kind(v) for v in values]
+
+
+def _token_id(gguf: GGUFFile, key: str, n: int) -> int | None:
+    value = gguf.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise ModelFileError(f"{gguf.path}: metadata key {key} is {value!r}; a token id in [0, {n}) belongs there. "
+                             "The file is malformed: convert it again")
+    return value
 
 
 class Tokenizer:

@@ -114,7 +114,8 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="an engine silent this long is killed and restarted (default 30)")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine whose step (or tokenizing) runs longer than this, plus as long again per 256 "
-                        "tokens it handles, is stuck: it is killed and restarted (default 60)")
+                        "tokens it handles and four times the slowest pace seen, is stuck: it is killed and restarted "
+                        "(default 60)")
     g.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, requests in flight get this long to finish before the server exits (default 30)")
     g.add_argument("--inject-fault", action="append", default=[], metavar="POINT[:RATE[:KIND]][@TEXT]", type=_fault,

@@ -98,9 +98,13 @@ class Progress:
     Invariant: ``since`` is None while the main thread waits for commands;
     otherwise it is when the current piece of work began (one request's
     tokenizing, or one scheduler step), which may take ``bound_s`` (scaled by
-    the tokens or characters it handles), serving ``requests``."""
+    the tokens or characters it handles, and by the slowest seconds per token
+    seen so far: a large model on a small CPU is slow, not stuck), serving
+    ``requests``."""
 
     UNITS = 256  # each this many tokens (or 4x as many characters) of work allow one more ``stall_s``
+    MEASURED_FROM = 16  # steps of at least this many tokens measure the engine's pace
+    MARGIN = 4  # a step may run this many times the slowest pace seen
 
     def __init__(self, stall_s: float):
         self.stall_s = stall_s
@@ -108,15 +112,22 @@ class Progress:
         self.since: float | None = None
         self.bound_s = 0.0
         self.requests: list[int] = []
+        self._tokens = 0
+        self.slowest_s_per_token = 0.0
 
     def begin(self, tokens: int, requests: list[int]) -> None:
         with self._lock:
             self.since = time.monotonic()
-            self.bound_s = self.stall_s * (1 + tokens / self.UNITS)
+            self._tokens = tokens
+            self.bound_s = (self.stall_s * (1 + tokens / self.UNITS)
+                            + self.MARGIN * self.slowest_s_per_token * tokens)
             self.requests = requests
 
     def end(self) -> None:
         with self._lock:
+            if self.since is not None and self._tokens >= self.MEASURED_FROM:
+                pace = (time.monotonic() - self.since) / self._tokens
+                self.slowest_s_per_token = max(self.slowest_s_per_token, pace)
             self.since = None
 
     def report(self) -> dict[str, Any]:

@@ -71,6 +71,19 @@ class DecoderArgs:
         """Layer ``layer``'s sliding window, or None for full attention."""
         return None
 
+    def tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The logical shapes the metadata gives layer ``layer``'s tensors (by
+        name after ``blk.{layer}.``); the loader checks those a file has, so
+        a head count or width that disagrees with the tensors is named at load."""
+        h, d = self.hidden_size, self.head_dim
+        shapes = {"attn_q.weight": (self.n_heads * d, h), "attn_k.weight": (self.n_kv_heads * d, h),
+                  "attn_v.weight": (self.n_kv_heads * d, h), "attn_output.weight": (h, self.n_heads * d),
+                  "attn_norm.weight": (h,)}
+        if self.ffn_dim:
+            shapes |= {"ffn_gate.weight": (self.ffn_dim, h), "ffn_up.weight": (self.ffn_dim, h),
+                       "ffn_down.weight": (h, self.ffn_dim)}
+        return shapes
+
     def state_spec(self) -> list[LayerState]:
         return [AttentionState(self.n_kv_heads, self.head_dim, self.window(i)) for i in range(self.n_layers)]
 

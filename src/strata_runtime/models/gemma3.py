@@ -41,7 +41,7 @@ class ModelArgs(DecoderArgs):
             rope_base_local=float(config.arch_key("rope.freq_base_swa", 10000.0)),
             rope_linear_scale=factor if scaling == "linear" else 1.0,
             sliding_window=int(config.sliding_window or config.context_length),
-            sliding_window_pattern=int(config.arch_key("attention.sliding_window_pattern", 6)),
+            sliding_window_pattern=config.arch_whole("attention.sliding_window_pattern", 6),
         )
 
     def is_sliding(self, layer: int) -> bool:

@@ -79,7 +79,8 @@ class ModelArgs(DecoderArgs):
                                   float(config.arch_key("rope.scaling.yarn_beta_slow", 1.0) or 1.0))
         rotary = int(config.arch_key("rope.dimension_count", config.key_length))
         if rotary != config.key_length:
-            raise ModelFileError(f"{config.architecture}: partial rotary embeddings ({rotary} of {config.key_length} "
+            raise ModelFileError(f"{config.path}: {config.architecture}.rope.dimension_count says partial rotary "
+                                 f"embeddings ({rotary} of {config.key_length} "
                                  f"dimensions) are not supported for this architecture")
         common = DecoderArgs.common(config, vocab_size)
         common["attention_scale"] *= scaling.score_scale()

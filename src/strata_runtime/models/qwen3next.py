@@ -44,6 +44,11 @@ class ModelArgs(DecoderArgs):
     n_experts: int = 0
     experts_per_token: int = 0
 
+
+    def tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        shapes = super().tensor_shapes(layer)
+        shapes["attn_q.weight"] = (2 * self.n_heads * self.head_dim, self.hidden_size)  # per head: query, then gate
+        return shapes
     @classmethod
     def from_config(cls, config: ModelConfig, vocab_size: int) -> "ModelArgs":
         arch = config.architecture

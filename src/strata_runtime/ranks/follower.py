@@ -38,6 +38,7 @@ class Follower:
         self.mine = stages[rank].layers
         self.wire = wire
         self.caches: dict[int, KVCache] = {}
+        self._bounce: torch.Tensor | None = None  # a GPU rank's host buffer for copies (``_bounce_for``)
 
     def run(self) -> None:
         """Serve commands until rank 0 says stop; ``StageLost`` when it is gone."""
@@ -94,36 +95,67 @@ class Follower:
             return x
         return finish(self.model, x, cache, cmd["last_only"])
 
+    def _bounce_for(self, sizes: list[list[int]]) -> torch.Tensor:
+        """The host buffer a GPU rank's rows pass through (gloo sends host
+        memory): one chunk (a page of rank 0's pool) at a time, so it is
+        reserved once, at the first copy, at the pool's page size."""
+        need = max((s for chunk in sizes for s in chunk), default=0)
+        if self._bounce is None or self._bounce.numel() < need:
+            self._bounce = torch.empty(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._bounce
+
     def _parts(self, cmd: dict[str, Any]) -> None:
-        """Send or receive this rank's rows of a snapshot, chunked as rank 0's pages are."""
+        """Send or receive this rank's rows of a snapshot, chunked as rank 0's
+        pages are; a GPU rank's rows pass through one reserved host buffer."""
+        reading = cmd["op"] == "read_parts"
         try:
             cache = self.caches[cmd["id"]]
-            rows = [(store_fields(cache.stores[layer])[name][slot:slot + n], sizes)
+            rows = [(as_bytes(store_fields(cache.stores[layer])[name][slot:slot + n]), sizes)
                     for layer, name, slot, n, sizes in cmd["pieces"]]
-            # A GPU rank goes through host copies: gloo sends host memory.
-            host = [(r.cpu() if r.device.type != "cpu" else r, sizes) for r, sizes in rows]
+            bounce = None if self.device.type == "cpu" else self._bounce_for([s for _, s in rows])
         except Exception as e:
-            self.wire.send_obj({"error": f"{type(e).__name__}: {first_line(e)}", "out_of_memory": is_out_of_memory(e)}, 0)
-            if cmd["op"] == "write_parts":  # rank 0 sends the bytes regardless: take them
-                for _, _, _, _, sizes in cmd["pieces"]:
-                    for size in sizes:
-                        self.wire.recv_bytes(torch.empty(size, dtype=torch.uint8), 0)
+            self._refuse_parts(cmd, e)
             return
-        if cmd["op"] == "read_parts":
+        if reading:
             self.wire.send_obj({"ok": True}, 0)
-        for (row, sizes), (target, _) in zip(host, rows):
-            flat = as_bytes(row)
+        error = None
+        for flat, sizes in rows:
             at = 0
             for size in sizes:
-                if cmd["op"] == "read_parts":
-                    self.wire.send_bytes(flat[at:at + size], 0)
-                else:
-                    self.wire.recv_bytes(flat[at:at + size], 0)
+                piece = flat[at:at + size]
                 at += size
-            if cmd["op"] == "write_parts" and target.device.type != "cpu":
-                target.copy_(row)
-        if cmd["op"] == "write_parts":
-            self.wire.send_obj({"ok": True}, 0)
+                if bounce is None:
+                    (self.wire.send_bytes if reading else self.wire.recv_bytes)(piece, 0)
+                    continue
+                host = bounce[:size]
+                try:
+                    if reading:
+                        host.copy_(piece)
+                    self.wire.send_bytes(host, 0) if reading else self.wire.recv_bytes(host, 0)
+                    if not reading and error is None:
+                        piece.copy_(host)
+                except StageLost:
+                    raise
+                except Exception as e:  # a device copy failed: the bytes still cross, the reply says so
+                    log.exception("rank %d: copying its part failed", self.rank)
+                    error = error or e
+        if not reading:
+            self.wire.send_obj({"ok": True} if error is None else self._error(error), 0)
+        elif error is not None:
+            # Rank 0 has read the (partly stale) bytes; a device that failed a copy must not go on.
+            raise error
+
+    @staticmethod
+    def _error(e: BaseException) -> dict[str, Any]:
+        return {"error": f"{type(e).__name__}: {first_line(e)}", "out_of_memory": is_out_of_memory(e)}
+
+    def _refuse_parts(self, cmd: dict[str, Any], e: BaseException) -> None:
+        self.wire.send_obj(self._error(e), 0)
+        if cmd["op"] == "write_parts":  # rank 0 sends the bytes regardless: take them
+            sink = torch.empty(max((s for *_, sizes in cmd["pieces"] for s in sizes), default=0), dtype=torch.uint8)
+            for *_, sizes in cmd["pieces"]:
+                for size in sizes:
+                    self.wire.recv_bytes(sink[:size], 0)
 
 
 def follow(path=None, **options: Any) -> int:

@@ -127,23 +127,28 @@ class Follower:
                 if bounce is None:
                     (self.wire.send_bytes if reading else self.wire.recv_bytes)(piece, 0)
                     continue
+                # The bytes cross whatever the device copy did, so rank 0 stays in step.
                 host = bounce[:size]
-                try:
-                    if reading:
-                        host.copy_(piece)
-                    self.wire.send_bytes(host, 0) if reading else self.wire.recv_bytes(host, 0)
-                    if not reading and error is None:
-                        piece.copy_(host)
-                except StageLost:
-                    raise
-                except Exception as e:  # a device copy failed: the bytes still cross, the reply says so
-                    log.exception("rank %d: copying its part failed", self.rank)
-                    error = error or e
+                if reading:
+                    error = error or self._device_copy(host, piece)
+                    self.wire.send_bytes(host, 0)
+                else:
+                    self.wire.recv_bytes(host, 0)
+                    error = error or self._device_copy(piece, host)
         if not reading:
             self.wire.send_obj({"ok": True} if error is None else self._error(error), 0)
         elif error is not None:
             # Rank 0 has read the (partly stale) bytes; a device that failed a copy must not go on.
             raise error
+
+    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> BaseException | None:
+        """``dst.copy_(src)`` between the device and the host buffer; its failure, logged, or None."""
+        try:
+            dst.copy_(src)
+        except Exception as e:
+            log.exception("rank %d: copying its part of a snapshot failed", self.rank)
+            return e
+        return None
 
     @staticmethod
     def _error(e: BaseException) -> dict[str, Any]:

@@ -26,7 +26,9 @@ def free_port() -> int:
 class LiveServer:
     """One server process; its combined output goes to a log file the tests can read."""
 
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, new_session: bool = False):
+        """``new_session``: the server leads a process group of its own, as
+        a service manager starts it (a signal to the group reaches no test)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -36,7 +38,8 @@ class LiveServer:
             command += ["--api-key", api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=new_session)
         self.http = httpx.Client(base_url=self.base, timeout=120,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
 

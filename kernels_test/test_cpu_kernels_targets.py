@@ -118,3 +118,27 @@ def test_a_kernel_cache_shared_between_cpus_never_hands_one_a_build_it_cannot_ru
         monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=frozenset(flags): flags)
         chosen = cpu_kernels.isa.__wrapped__()
         assert chosen == expected and cpu_kernels.ISA_VARIANTS[chosen][1] <= flags
+
+
+def test_a_build_killed_midway_does_not_block_every_later_load():
+    """torch's build lock is a file: a build killed midway (Ctrl-C, the
+    OOM killer, a CI job cut off) leaves it, and every later process that
+    loads the extension, cached or not, waited for it forever (a CI run hung
+    in collection this way). A Strata process holds an flock around the
+    load, so a lock file it finds is stale: it is removed and the load goes on."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    assert cpu_kernels.kernels() is not None, cpu_kernels.build_error()
+    stale = Path(_get_build_directory(f"strata_cpu_kernels_{cpu_kernels.isa()}", verbose=False)) / "lock"
+    stale.touch()
+    try:
+        probe = subprocess.run([sys.executable, "-c", "from strata_kernels import cpu_kernels as c; "
+                                "print(c.kernels() is not None)"],
+                               capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a load with a stale torch lock file in the build directory waited for it")
+    finally:
+        locked = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert probe.stdout.strip() == "True", probe.stderr
+    assert not locked and "left by a build that was interrupted" in probe.stderr, probe.stderr

@@ -26,6 +26,8 @@ when it did not, and callers fall back to the torch path then.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -125,16 +127,46 @@ def bf16_matmul() -> bool:
 
 
 def _build(variant: str):
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     flags, _ = ISA_VARIANTS[variant]
+    name = f"strata_cpu_kernels_{variant}"
+    build_directory = Path(_get_build_directory(name, verbose=False))
     # -ffp-contract=off: dequantize must round exactly as gguf-py does (no
     # fused multiply-adds unless the source asks for one).
-    with _progress_line(f"building the CPU kernels ({variant}; once per machine, about a minute)"):
-        return load(name=f"strata_cpu_kernels_{variant}", sources=[str(p) for p in _SOURCES],
+    with _build_lock(build_directory), \
+            _progress_line(f"building the CPU kernels ({variant}; once per machine, about a minute)"):
+        return load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_directory),
                     extra_include_paths=[str(_CSRC)],
                     extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@contextlib.contextmanager
+def _build_lock(build_directory: Path):
+    """Hold an advisory lock (``flock``) on the build for the ``load`` inside.
+
+    torch's own lock is a file that a killed build leaves behind, and every
+    later ``load`` of that extension then waits for it forever, cached build
+    or not. The kernel drops a ``flock`` when its holder dies, so whoever holds
+    this one knows that no Strata process is building the extension, and a
+    torch lock file still there is stale: it is removed, with a warning."""
+    holder = build_directory.parent / f"{build_directory.name}.build-lock"
+    with open(holder, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", build_directory.name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was interrupted (it would block every load)",
+                            stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class _progress_line:

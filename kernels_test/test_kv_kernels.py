@@ -18,6 +18,17 @@ from strata_kernels.paging import BlockTables
 from strata_kernels.reference import kv_dequantize, kv_quantize
 
 FORMATS = ["f16", "int8", "k8v4"]
+# Triton's attention multiplies on the tensor cores: scaled queries, keys,
+# probabilities and values rounded to 16 bits (float16 for float32 queries),
+# sums in float32, so each output is off by about 2^-11 of the values it
+# averages. An indexing or masking bug is off by the values themselves.
+TRITON = dict(atol=2e-3, rtol=2e-3)
+
+
+def _close(got, expected, backend) -> tuple[bool, str]:
+    """``got`` within the backend's tolerance of ``expected``, and the report."""
+    tol = TRITON if backend == "triton" else dict(atol=2e-5, rtol=0.0)
+    return torch.allclose(got, expected, **tol), report_mismatch(got, expected, tol["atol"])
 
 
 def _rand(*shape, seed):
@@ -141,6 +152,7 @@ CASES = [  # head_dim, group (GQA ratio), context, window, chunk
 ]
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("head_dim,group,context,window,chunk", CASES)
 def test_prefill_and_decode_attention(fmt, head_dim, group, context, window, chunk):
@@ -166,10 +178,12 @@ def test_prefill_and_decode_attention(fmt, head_dim, group, context, window, chu
         # backend="cpu": the compiled kernel on f16 decode steps, torch's fused attention on f16 chunks
         by_cpu = attention(q, ring, s0, window, scale, backend="cpu")
         assert torch.allclose(by_torch.double(), expected, atol=2e-5), report_mismatch(by_torch, expected.float(), 2e-5)
-        assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
+        ok, report = _close(by_triton, by_torch, "triton")
+        assert ok, report
         assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_split_over_the_context(fmt):
     """A long context is split across programs and merged by log-sum-exp."""
@@ -181,7 +195,8 @@ def test_decode_split_over_the_context(fmt):
     by_torch = attention(q, store, context - 1, None, 0.125, backend="torch")
     by_triton = attention(q, store, context - 1, None, 0.125, backend="triton")
     by_cpu = attention(q, store, context - 1, None, 0.125, backend="cpu")  # chunks of 128 across threads
-    assert torch.allclose(by_triton, by_torch, atol=2e-5), report_mismatch(by_triton, by_torch, 2e-5)
+    ok, report = _close(by_triton, by_torch, "triton")
+    assert ok, report
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
@@ -193,6 +208,7 @@ SCATTERED = [[5, 2, 9, 0, 14, 7, 11, 3, 17, 20], [1, 12, 6, 19, 4, 15, 8, 21, 16
 
 @pytest.mark.parametrize("fmt,float_dtype", [("f16", torch.float32), ("f16", torch.bfloat16), ("int8", None),
                                              ("k8v4", None)], ids=["f16", "f16-bf16", "int8", "k8v4"])
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("window", [None, 40])
 def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype, window):
     """Prefill chunks and decode steps of three sequences sharing one store
@@ -221,7 +237,8 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
                 else:
                     got = write_and_attend(q, k[s0:s1], v[s0:s1], shared, s0, window, d**-0.5, backend,
                                            seq_tables[i])
-                assert torch.allclose(got, expected, atol=2e-5), (backend, report_mismatch(got, expected, 2e-5))
+                ok, report = _close(got, expected, backend)
+                assert ok, (backend, report)
     # The last position of every sequence, one query each, as one batched step.
     q = _rand(3, hkv * group, d, seed=99)
     last_k = torch.stack([k[-1] for k, _ in data])
@@ -232,16 +249,20 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
     for backend in ("torch", "cpu", "triton"):
         got = decode_attention(q, last_k, last_v, shared, positions, window, d**-0.5,
                                BlockTables.of(tables, bs), backend)
-        assert torch.allclose(got, expected, atol=2e-5), (backend, report_mismatch(got, expected, 2e-5))
+        ok, report = _close(got, expected, backend)
+        assert ok, (backend, report)
     # Triton's one launch with the context split 4 ways: the shorter sequences'
     # last splits hold nothing and must weigh nothing in the merge.
     from strata_kernels._triton_attention import attention_triton
+    from strata_kernels.launch_plans import FORMAT_CODES, KernelLaunch
 
     rotated = q @ hadamard(d) if shared.rotated else q
+    small = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[shared.fmt], BLOCK_M=16, BLOCK_N=16))
     got = attention_triton(rotated[:, None], shared, positions.tolist(), window, d**-0.5, BlockTables.of(tables, bs),
-                           splits=4, block_m=16, block_n=16, num_warps=4)[:, 0]
+                           launch=(small, 4))[:, 0]
     got = got @ hadamard(d) if shared.rotated else got
-    assert torch.allclose(got, expected, atol=2e-5), report_mismatch(got, expected, 2e-5)
+    ok, report = _close(got, expected, "triton")
+    assert ok, report
     for i, n in enumerate(lengths):  # every position each sequence keeps reads back as written
         first = 0 if window is None else max(0, n - 4 * bs)
         a = kv_read(shared, torch.arange(first, n), seq_tables[i])
@@ -286,6 +307,7 @@ def test_gpu_attention_large(fmt, context):
     assert torch.allclose(out, ref, atol=1e-3)
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
@@ -309,6 +331,7 @@ def test_cpu_decode_kernel_over_float_storage(window, storage, long):
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 24])
 def test_write_and_attend_in_one_call_equals_write_then_attend(storage, window):
@@ -330,6 +353,7 @@ def test_write_and_attend_in_one_call_equals_write_then_attend(storage, window):
         assert torch.allclose(fused, apart, atol=2e-5), report_mismatch(fused, apart, 2e-5)
 
 
+@pytest.mark.cpu_kernels
 def test_write_and_attend_other_formats_write_then_attend():
     store, twin = KVStore.allocate("int8", 16, 1, 64), KVStore.allocate("int8", 16, 1, 64)
     keys, values, q = _rand(1, 1, 64, seed=1), _rand(1, 1, 64, seed=2), _rand(1, 4, 64, seed=3)

@@ -63,7 +63,7 @@ def _check_qmatmul(x: torch.Tensor, qt: QuantTensor, backend: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", TRITON_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 33])  # GEMV K tiles 256, 128 and 64; GEMM tiles 16 and 64
 def test_qmatmul_matches_float64(qtype, m):
     n = 13  # odd, and not a multiple of any tile
     qt = random_quant_tensor(qtype, n, _blocks_per_row(qtype, 512), seed=100 + m)

@@ -10,9 +10,8 @@ import triton.language as tl
 
 from .formats import lookup_table
 from .kv_quant import KVStore
+from .launch_plans import KernelLaunch, attention_launch
 from .paging import BlockTables
-
-FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}
 
 
 @triton.jit
@@ -59,8 +58,16 @@ def _attention_kernel(
     t = r // G
     head = kvh * G + r % G
     d = tl.arange(0, D).to(tl.int64)
+    # Products on the tensor cores, 16-bit operands and float32 sums: bfloat16
+    # where the queries are (the range of any activation), float16 otherwise
+    # (3 more bits; the scale folded into q first keeps it in range).
+    if q.dtype.element_ty == tl.bfloat16:
+        operand = tl.bfloat16
+    else:
+        operand = tl.float16
     qs = tl.load(q + ((seq * T + t) * HKV * G + head)[:, None] * D + d[None, :], mask=row_ok[:, None],
                  other=0.0).to(tl.float32)
+    qs = (qs * scale).to(operand)
     q_pos = start + t
     end = start + T
     n_slots = tl.minimum(capacity, end)
@@ -76,7 +83,7 @@ def _attention_kernel(
         k_pos = (end - 1) - ((end - 1 - safe) % capacity)
         physical = tl.load(blocks + safe // block_size).to(tl.int64) * block_size + safe % block_size
         keys = _kv_tile(k, k_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, False)
-        s = tl.dot(qs, tl.trans(keys), input_precision="ieee") * scale
+        s = tl.dot(qs, tl.trans(keys.to(operand)))
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
         allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
         s = tl.where(allowed, s, float("-inf"))
@@ -86,7 +93,7 @@ def _attention_kernel(
         corr = tl.exp(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
         l_i = l_i * corr + tl.sum(p, axis=1)
         values = _kv_tile(v, v_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, True)
-        acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
+        acc = acc * corr[:, None] + tl.dot(p.to(operand), values.to(operand))
         m_i = m_new
     out_row = ((seq * splits + sp) * HKV + kvh) * T * G + r
     tl.store(part_acc + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
@@ -95,28 +102,32 @@ def _attention_kernel(
 
 
 def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window: int | None, scale: float,
-                     tables: BlockTables, splits: int, block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
+                     tables: BlockTables, launch: tuple[KernelLaunch, int] | None = None) -> torch.Tensor:
     """``q`` ``[B, T, H, D]``: sequence ``b``'s queries at positions
     ``starts[b]..``, over its blocks (row ``b`` of ``tables``), all in one
-    launch. Float32 ``[B, T, H, D]``."""
+    launch. Float32 ``[B, T, H, D]``. ``launch``: the constants and split count
+    to use instead of ``attention_launch``'s (tests split short contexts)."""
     b, t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
     n_slots = max(min(tables.capacity(i), s + t) for i, s in enumerate(starts))
+    launch, splits = launch or attention_launch(t, g, n_slots, d, store.fmt)
+    c = launch.constexprs
+    block_n = c["BLOCK_N"]
     per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n) * block_n
     splits = triton.cdiv(n_slots, per_split)
     part_acc = torch.empty((b, splits, hkv, t * g, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, splits, hkv, t * g, 2), dtype=torch.float32, device=q.device)
     dummy = torch.zeros(1, dtype=torch.float16, device=q.device)
     table = tables.tables.to(q.device)
-    _attention_kernel[(triton.cdiv(t * g, block_m), hkv, b * splits)](
+    _attention_kernel[(triton.cdiv(t * g, c["BLOCK_M"]), hkv, b * splits)](
         q.contiguous(), store.k, store.v,
         store.k_scales if store.k_scales is not None else dummy,
         store.v_scales if store.v_scales is not None else dummy,
         lookup_table("iq4nl_values", q.device), table, tables.lengths.to(q.device),
         torch.tensor(starts, dtype=torch.int64, device=q.device), part_acc, part_ml,
         t, hkv, g, table.shape[1], tables.block_size, splits, per_split, window or 0, scale,
-        D=d, FMT=FORMAT_CODES[store.fmt], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        **c, num_warps=launch.num_warps,
     )
     # Log-sum-exp merge of the splits (a split past a sequence's end holds m = -inf, l = 0: weight 0).
     m, l = part_ml[..., 0:1], part_ml[..., 1:2]

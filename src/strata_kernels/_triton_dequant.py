@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_unpack import HAS_OFFSET, TRITON_TABLES, weight_tile
-from .formats import block_format, lookup_table
-from .launch import launch_settings
+from ._triton_unpack import TRITON_TABLES, weight_tile
+from .formats import lookup_table
+from .launch_plans import dequantize_launch
 from .quant_tensor import QuantTensor
 
 
@@ -44,14 +44,11 @@ def table_args(qt: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def dequantize_triton(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
-    fmt = block_format(qt.qtype)
     n, k = qt.rows, qt.cols
     out = torch.empty((n, k), dtype=dtype, device=qt.device)
-    s = launch_settings("dequantize", 0, n, k, fmt.block_size)
-    grid = (triton.cdiv(n, s.block_n), triton.cdiv(k, s.block_k))
-    _dequantize_kernel[grid](
-        qt.data, out, n, k, qt.data.stride(0), out.stride(0), *table_args(qt),
-        QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size, OFFSET=int(qt.qtype) in HAS_OFFSET,
-        BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps,
-    )
+    launch = dequantize_launch(qt.qtype, n, k)
+    c = launch.constexprs
+    grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(k, c["BLOCK_K"]))
+    _dequantize_kernel[grid](qt.data, out, n, k, qt.data.stride(0), out.stride(0), *table_args(qt), **c,
+                             num_warps=launch.num_warps)
     return out.reshape(qt.shape)

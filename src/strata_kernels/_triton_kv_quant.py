@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .formats import lookup_table
 from .kv_quant import INT4_BLOCK, INT8_GROUP, KVStore
+from .launch_plans import kv_quantize_launch
 from .reference import nf4_scale_candidates
 
 
@@ -96,6 +97,6 @@ def kv_write_triton(store: KVStore, slots: torch.Tensor, keys: torch.Tensor, val
     candidates = nf4_scale_candidates(keys.device)
     for codes, scales, x, group, bits in halves:
         x = x.contiguous()
-        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, levels, candidates, hkv, D=d, GROUP=group,
-                                                BITS=bits, N_CANDIDATES=candidates.numel(),
-                                                CANDIDATES=triton.next_power_of_2(candidates.numel()))
+        launch = kv_quantize_launch(d, group, bits, candidates.numel())
+        _quantize_kernel[(t * hkv, d // group)](x, slots, codes, scales, levels, candidates, hkv, **launch.constexprs,
+                                                num_warps=launch.num_warps)

@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 from ._triton_dequant import table_args
-from ._triton_unpack import HAS_OFFSET, SUB_BLOCK, sub_block_scales, weight_codes, weight_tile
-from .formats import block_format
-from .launch import GEMV_MAX_M, launch_settings
+from ._triton_unpack import sub_block_scales, weight_codes, weight_tile
+from .launch import GEMV_MAX_M
+from .launch_plans import gemm_launch, gemv_launch, triton_dtype
 from .quant_tensor import QuantTensor
 
 
@@ -156,7 +156,6 @@ def _gemm_tile(x, blocks, out, M, N, K, stride_xm, row_bytes, stride_om, pm, pn,
 def qmatmul_triton(x: torch.Tensor, qt: QuantTensor, path: str | None = None) -> torch.Tensor:
     """``path``: None picks GEMV for at most ``GEMV_MAX_M`` rows, else GEMM;
     "gemv" or "gemm" forces one (the benchmark times both)."""
-    fmt = block_format(qt.qtype)
     x = x.contiguous()
     m, k = x.shape
     n = qt.rows
@@ -164,23 +163,17 @@ def qmatmul_triton(x: torch.Tensor, qt: QuantTensor, path: str | None = None) ->
     if m == 0:
         return out
     common = (x, qt.data, out, m, n, k, x.stride(0), qt.data.stride(0), out.stride(0), *table_args(qt))
-    consts = dict(QTYPE=int(qt.qtype), BS=fmt.block_size, TS=fmt.type_size, OFFSET=int(qt.qtype) in HAS_OFFSET)
     if path is None:
         path = "gemv" if m <= GEMV_MAX_M else "gemm"
     if path == "gemv":
-        s = launch_settings("gemv", m, n, k, fmt.block_size)
-        _gemv_kernel[(triton.cdiv(n, s.block_n),)](
-            *common, **consts, SUB=SUB_BLOCK[int(qt.qtype)], BLOCK_M=s.block_m, BLOCK_N=s.block_n,
-            BLOCK_K=s.block_k, num_warps=s.num_warps,
-        )
+        launch = gemv_launch(qt.qtype, m, n, k)
+        c = launch.constexprs
+        _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](*common, **c, num_warps=launch.num_warps)
     else:
-        s = launch_settings("gemm", m, n, k, fmt.block_size)
-        # float32 inputs keep full precision (no TF32); half types use the tensor cores as they are.
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        _gemm_kernel[(triton.cdiv(m, s.block_m), triton.cdiv(n, s.block_n))](
-            *common, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k,
-            DOT_PRECISION=precision, num_warps=s.num_warps,
-        )
+        launch = gemm_launch(qt.qtype, m, n, k, triton_dtype(x.dtype))
+        c = launch.constexprs
+        _gemm_kernel[(triton.cdiv(m, c["BLOCK_M"]), triton.cdiv(n, c["BLOCK_N"]))](*common, **c,
+                                                                                  num_warps=launch.num_warps)
     return out
 
 
@@ -190,7 +183,6 @@ def expert_matmul_triton(x: torch.Tensor, experts: QuantTensor, runs: list[tuple
     into the same rows of the result ``[P, N]`` (x's dtype). Two launches at
     most: one GEMV program grid over every run of at most ``GEMV_MAX_M`` rows,
     one GEMM grid over the others' rows cut into tiles."""
-    fmt = block_format(experts.qtype)
     x = x.contiguous()
     p, k = x.shape
     n = experts.shape[1]
@@ -199,25 +191,22 @@ def expert_matmul_triton(x: torch.Tensor, experts: QuantTensor, runs: list[tuple
     large = [r for r in runs if r[2] > GEMV_MAX_M]
     common = (experts.data, out)
     tail = (n, k, x.stride(0), experts.data.stride(0), out.stride(0), *table_args(experts))
-    consts = dict(QTYPE=int(experts.qtype), BS=fmt.block_size, TS=fmt.type_size,
-                  OFFSET=int(experts.qtype) in HAS_OFFSET)
 
     def ints(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=x.device)
 
     if small:
-        s = launch_settings("gemv", max(c for _, _, c in small), n, k, fmt.block_size)
-        e, st, c = zip(*small)
-        _expert_gemv_kernel[(triton.cdiv(n, s.block_n), len(small))](
-            x, *common, ints(e), ints(st), ints(c), *tail, **consts, SUB=SUB_BLOCK[int(experts.qtype)],
-            BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k, num_warps=s.num_warps,
-        )
+        launch = gemv_launch(experts.qtype, max(c for _, _, c in small), n, k)
+        c = launch.constexprs
+        e, st, counts = zip(*small)
+        _expert_gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), len(small))](
+            x, *common, ints(e), ints(st), ints(counts), *tail, **c, num_warps=launch.num_warps)
     if large:
-        s = launch_settings("gemm", max(c for _, _, c in large), n, k, fmt.block_size)
-        tiles = [(e, st + i, min(s.block_m, c - i)) for e, st, c in large for i in range(0, c, s.block_m)]
-        e, st, c = zip(*tiles)
-        _expert_gemm_kernel[(len(tiles), triton.cdiv(n, s.block_n))](
-            x, *common, ints(e), ints(st), ints(c), *tail, **consts, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
-            BLOCK_K=s.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=s.num_warps,
-        )
+        launch = gemm_launch(experts.qtype, max(c for _, _, c in large), n, k, triton_dtype(x.dtype))
+        c = launch.constexprs
+        block_m = c["BLOCK_M"]
+        tiles = [(e, st + i, min(block_m, cnt - i)) for e, st, cnt in large for i in range(0, cnt, block_m)]
+        e, st, counts = zip(*tiles)
+        _expert_gemm_kernel[(len(tiles), triton.cdiv(n, c["BLOCK_N"]))](
+            x, *common, ints(e), ints(st), ints(counts), *tail, **c, num_warps=launch.num_warps)
     return out

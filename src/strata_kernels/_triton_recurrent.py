@@ -9,12 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import _pow2_at_least
-
-BLOCK_V = 32  # value columns of the state per program
-BLOCK_C = 256  # channels of the convolution per program
-CHUNK = 32  # tokens per chunk of the chunked kernel (its [CHUNK, Dk] keys and queries stay in registers)
-CHUNK_WARPS = 8
+from .launch_plans import conv_step_launch, delta_rule_chunk_launch, delta_rule_step_launch
 
 
 @triton.jit
@@ -126,11 +121,11 @@ def delta_rule_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     out = torch.empty((t, hv, dv), dtype=torch.float32, device=v.device)
-    block_v = min(BLOCK_V, max(16, _pow2_at_least(dv)))
-    grid = (hv, triton.cdiv(dv, block_v))
+    launch = delta_rule_chunk_launch(dk, dv)
+    grid = (hv, triton.cdiv(dv, launch.constexprs["BLOCK_V"]))
     _delta_rule_chunk_kernel[grid](q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
                                    g.float().contiguous(), beta.float().contiguous(), state, out, t, hk, hv, dk, dv,
-                                   CHUNK=CHUNK, BLOCK_K=max(16, _pow2_at_least(dk)), BLOCK_V=block_v, num_warps=CHUNK_WARPS)
+                                   **launch.constexprs, num_warps=launch.num_warps)
     return out
 
 
@@ -139,10 +134,11 @@ def delta_rule_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     b, hk, dk = q.shape
     hv, dv = v.shape[1:]
     out = torch.empty((b, hv, dv), dtype=torch.float32, device=v.device)
-    grid = (b, hv, triton.cdiv(dv, BLOCK_V))
+    launch = delta_rule_step_launch(dk)
+    grid = (b, hv, triton.cdiv(dv, launch.constexprs["BLOCK_V"]))
     _delta_rule_step_kernel[grid](q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
                                   g.float().contiguous(), beta.float().contiguous(), state, slots, out, hk, hv, dk,
-                                  dv, BLOCK_K=_pow2_at_least(dk), BLOCK_V=BLOCK_V)
+                                  dv, **launch.constexprs, num_warps=launch.num_warps)
     return out
 
 
@@ -150,6 +146,7 @@ def conv_step_triton(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, 
     b, c = x.shape
     out = torch.empty((b, c), dtype=torch.float32, device=x.device)
     taps = weight.float().t().contiguous()
-    _conv_step_kernel[(b, triton.cdiv(c, BLOCK_C))](x.float().contiguous(), taps, conv, slots, out, c,
-                                                      W=conv.shape[1], BLOCK_C=BLOCK_C)
+    launch = conv_step_launch(conv.shape[1])
+    _conv_step_kernel[(b, triton.cdiv(c, launch.constexprs["BLOCK_C"]))](
+        x.float().contiguous(), taps, conv, slots, out, c, **launch.constexprs, num_warps=launch.num_warps)
     return out

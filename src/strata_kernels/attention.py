@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .kv_quant import KVStore, hadamard, kv_write_consecutive, kv_write_slots
-from .launch import attention_settings, resolve_backend
+from .launch import resolve_backend
 from .paging import BlockTables
 
 
@@ -51,9 +51,7 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     else:
         from ._triton_attention import attention_triton
 
-        s = attention_settings(t, h // store.kv_heads, min(tables.capacity(0), start + t), d)
-        out = attention_triton(q[None], store, [start], window, scale, tables, s.splits, s.block_m, s.block_n,
-                               s.num_warps)[0]
+        out = attention_triton(q[None], store, [start], window, scale, tables)[0]
     return out @ hadamard(d, out.device) if store.rotated else out
 
 
@@ -152,10 +150,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         kv_write_slots(store, slots, keys, values, backend)
         if store.rotated:
             q = q.float() @ hadamard(d, q.device)
-        s = attention_settings(1, h // store.kv_heads, max(min(tables.capacity(i), p + 1)
-                                                           for i, p in enumerate(starts)), d)
-        out = attention_triton(q[:, None], store, starts, window, scale, tables, s.splits, s.block_m, s.block_n,
-                               s.num_warps)[:, 0]
+        out = attention_triton(q[:, None], store, starts, window, scale, tables)[:, 0]
         return out @ hadamard(d, out.device) if store.rotated else out
     return torch.cat([write_and_attend(q[i:i + 1], keys[i:i + 1], values[i:i + 1], store, starts[i], window, scale,
                                        backend, tables.one(i)) for i in range(b)])

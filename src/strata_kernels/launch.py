@@ -1,4 +1,5 @@
-"""Backend choice and launch settings for every kernel, in one place."""
+"""Backend choice and the tile settings of every kernel, in one place
+(``launch_plans`` turns them into each Triton kernel's constants and warps)."""
 
 from __future__ import annotations
 
@@ -75,16 +76,28 @@ def launch_settings(op: str, m: int, n: int, k: int, block_size: int) -> Launch:
         raise ValueError(f"K={k} is not a multiple of the block size {block_size}")
     if n * k >= 2**40:
         raise ValueError(f"a {n}x{k} weight is beyond what these kernels index (2**40 elements)")
-    # One tile of K spans whole blocks: a 256-weight super-block, or 4 small blocks.
-    block_k = min(256 if block_size == 256 else 128, _pow2_at_least(k))
+    # One tile of K spans whole blocks: a 256-weight super-block, or 4 small
+    # blocks (the GEMV's narrows for more rows, in whole sub-blocks). Not
+    # narrowed for a small K (the kernels mask past K): every width of a
+    # type shares one compiled kernel, here and in the compile test.
+    block_k = 256 if block_size == 256 else 128
     if op == "dequantize":
         return Launch(1, 16, block_k, 4)
     if op == "gemv":
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV path takes at most {GEMV_MAX_M} rows, got {m}")
-        return Launch(_pow2_at_least(max(1, m)), 16, block_k, 4)
+        block_m = _pow2_at_least(max(1, m))
+        # The GEMV holds BLOCK_M x BLOCK_N x BLOCK_K products in registers
+        # (8 x 16 x 256 took all 255 registers on sm_80 and spilled), so the K
+        # tile narrows as rows are added: at most 64 products per thread.
+        # (8 warps halve the registers but made ptxas spill in other types:
+        # bench/kernel_report.py shows each setting's registers and spills.)
+        return Launch(block_m, 16, min(block_k, max(64, 256 // block_m)), 4)
     if op == "gemm":
-        return Launch(min(64, max(16, _pow2_at_least(m))), 64, 64, 4)
+        # 8 warps: each thread holds half as much of the dequantized [64, 64]
+        # weight tile and its gather addresses (4 warps spilled 200-900 bytes
+        # in every type on sm_86 and sm_90; 8 spill none in most).
+        return Launch(min(64, max(16, _pow2_at_least(m))), 64, 64, 8)
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -102,8 +115,17 @@ def attention_settings(t: int, group: int, n_slots: int, head_dim: int) -> Atten
     one pass over the context each."""
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 512:
         raise ValueError(f"attention kernels need a power-of-two head dim in [16, 512], got {head_dim}")
-    block_n = 32 if head_dim >= 256 else 64
     if t == 1:
         splits = max(1, min(64, n_slots // 256))
-        return AttentionLaunch(splits, max(16, _pow2_at_least(group)), block_n, 4)
-    return AttentionLaunch(1, 32 if head_dim >= 256 else 64, block_n, 4)
+        # Rows are the group's heads, all at once where the tile fits (each
+        # program reads its KV once); a group past the cap (64 heads of 128,
+        # 32 of 256, 16 of 512) takes several programs, each reading the KV.
+        # Warps grow with the [rows, D] float32 accumulator: the tiles stay
+        # within the registers and the shared memory of an sm_86 block
+        # (bench/kernel_report.py: no spills at these settings).
+        cap = 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16
+        block_m = min(max(16, _pow2_at_least(group)), cap)
+        return AttentionLaunch(splits, block_m, 32 if head_dim <= 128 else 16,
+                               max(4, min(8, block_m * head_dim // 1024)))
+    return AttentionLaunch(1, 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16,
+                           64 if head_dim <= 64 else 32 if head_dim <= 256 else 16, 4 if head_dim <= 32 else 8)

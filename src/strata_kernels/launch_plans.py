@@ -1,0 +1,258 @@
+"""Every Triton kernel's launch configurations, in one place.
+
+A launcher asks a function here for its kernel's compile-time constants
+(``tl.constexpr`` values) and warps; ``configurations()`` calls the same
+functions over every input its launcher can be given and lists each distinct
+result, so the ahead-of-time compile test (``kernels_test/test_compile_targets.py``)
+and ``bench/kernel_report.py`` compile exactly what a GPU would.
+
+The inputs are bounded by what the runtime passes on CUDA: activations in
+bfloat16 (``dtype="auto"``) or float32 (``dtype="float32"``), f16-format KV in
+float16, head dims that are powers of two in [16, 512], recurrent key and
+value dims up to 256; matrix widths K do not change a kernel's tiles.
+Imported by the Triton launchers only (it imports triton).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gguf import GGMLQuantizationType as T
+
+from ._triton_unpack import HAS_OFFSET, SUB_BLOCK, TRITON_TABLES
+from .formats import block_format
+from .launch import GEMV_MAX_M, _pow2_at_least, attention_settings, launch_settings
+
+# Activation dtypes on CUDA: the default path's and dtype="float32"'s.
+ACTIVATION_DTYPES = ("bf16", "fp32")
+HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+KV_FORMATS = ("f16", "int8", "k8v4")
+FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}
+
+# Recurrent kernels' fixed tiles.
+DELTA_BLOCK_V = 32  # value columns of the state per program
+CONV_BLOCK_C = 256  # channels of the convolution per program
+CHUNK = 32  # tokens per chunk of the chunked kernel (its [CHUNK, Dk] keys and queries stay in registers)
+CHUNK_WARPS = 8
+RECURRENT_DIMS = (16, 32, 64, 128, 256)
+CONV_WINDOWS = (1, 2, 3, 4)  # a short convolution of 2 to 5 taps keeps taps - 1 inputs
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """A kernel's compile-time constants and warps, as its launcher passes them."""
+
+    constexprs: dict
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compile of one kernel. Invariant: ``signature`` names every
+    argument of ``kernel`` in order, ``"constexpr"`` exactly for the keys of
+    ``constexprs``; ``decode`` marks the configuration a decode step uses
+    (where spilled registers are a defect)."""
+
+    module: str  # strata_kernels.<module>
+    kernel: str
+    label: str
+    signature: dict = field(hash=False)
+    constexprs: dict = field(hash=False)
+    num_warps: int = 4
+    decode: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.module, self.kernel, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
+                self.num_warps)
+
+
+def triton_dtype(dtype) -> str:
+    """Triton's name of a torch float dtype (``torch.bfloat16`` -> ``bf16``)."""
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[str(dtype).removeprefix("torch.")]
+
+
+# --- what each launcher passes ----------------------------------------------------------
+
+def weight_constants(qtype: int) -> dict:
+    """The constants every kernel reading GGUF blocks of ``qtype`` takes."""
+    fmt = block_format(T(qtype))
+    return dict(QTYPE=int(qtype), BS=fmt.block_size, TS=fmt.type_size, OFFSET=int(qtype) in HAS_OFFSET)
+
+
+def dequantize_launch(qtype: int, n: int, k: int) -> KernelLaunch:
+    s = launch_settings("dequantize", 0, n, k, block_format(T(qtype)).block_size)
+    return KernelLaunch(dict(weight_constants(qtype), BLOCK_N=s.block_n, BLOCK_K=s.block_k), s.num_warps)
+
+
+def gemv_launch(qtype: int, m: int, n: int, k: int) -> KernelLaunch:
+    s = launch_settings("gemv", m, n, k, block_format(T(qtype)).block_size)
+    return KernelLaunch(dict(weight_constants(qtype), SUB=SUB_BLOCK[int(qtype)], BLOCK_M=s.block_m,
+                             BLOCK_N=s.block_n, BLOCK_K=s.block_k), s.num_warps)
+
+
+def gemm_launch(qtype: int, m: int, n: int, k: int, activations: str) -> KernelLaunch:
+    """``activations``: the Triton dtype name of x. Float32 inputs keep full
+    precision (no TF32); half types use the tensor cores as they are."""
+    s = launch_settings("gemm", m, n, k, block_format(T(qtype)).block_size)
+    return KernelLaunch(dict(weight_constants(qtype), BLOCK_M=s.block_m, BLOCK_N=s.block_n, BLOCK_K=s.block_k,
+                             DOT_PRECISION="ieee" if activations == "fp32" else "tf32"), s.num_warps)
+
+
+def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str):
+    """The attention kernel's constants and its split count (a run-time argument)."""
+    s = attention_settings(t, group, n_slots, head_dim)
+    return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=s.block_n),
+                        s.num_warps), s.splits
+
+
+def kv_quantize_launch(head_dim: int, group: int, bits: int, n_candidates: int) -> KernelLaunch:
+    return KernelLaunch(dict(D=head_dim, GROUP=group, BITS=bits, N_CANDIDATES=n_candidates,
+                             CANDIDATES=_pow2_at_least(n_candidates)))
+
+
+def delta_rule_step_launch(d_k: int) -> KernelLaunch:
+    """A program holds a [Dk, BLOCK_V] float32 tile of the state: 8 warps
+    past Dk = 128 keep it in registers (4 spilled at 256)."""
+    return KernelLaunch(dict(BLOCK_K=_pow2_at_least(d_k), BLOCK_V=DELTA_BLOCK_V), 4 if d_k <= 128 else 8)
+
+
+def conv_step_launch(window: int) -> KernelLaunch:
+    return KernelLaunch(dict(W=window, BLOCK_C=CONV_BLOCK_C))
+
+
+def delta_rule_chunk_launch(d_k: int, d_v: int) -> KernelLaunch:
+    return KernelLaunch(dict(CHUNK=CHUNK, BLOCK_K=max(16, _pow2_at_least(d_k)),
+                             BLOCK_V=min(DELTA_BLOCK_V, max(16, _pow2_at_least(d_v)))), CHUNK_WARPS)
+
+
+# --- every configuration ------------------------------------------------------------------
+
+_TABLES = {"grid_ptr": "*u8", "signs_ptr": "*u8", "values_ptr": "*u8"}
+_K = 4096  # the tiles do not depend on K (launch_settings)
+_N = 4096
+
+
+def _signature(arg_names: list[str], launch: KernelLaunch, pointers: dict, scalars: dict | None = None) -> dict:
+    """Every argument: ``constexpr``, its pointer type, or its scalar type
+    (``i32`` unless ``scalars`` says otherwise: Triton passes an int that fits
+    in 32 bits as i32)."""
+    out = {}
+    for name in arg_names:
+        if name in launch.constexprs:
+            out[name] = "constexpr"
+        elif name in pointers:
+            out[name] = pointers[name]
+        else:
+            out[name] = (scalars or {}).get(name, "i32")
+    return out
+
+
+def _arg_names(module: str, kernel: str) -> list[str]:
+    import importlib
+
+    return importlib.import_module(f"strata_kernels.{module}").__dict__[kernel].arg_names
+
+
+def _config(module: str, kernel: str, label: str, launch: KernelLaunch, pointers: dict, decode: bool = False,
+            scalars: dict | None = None) -> KernelConfig:
+    return KernelConfig(module, kernel, label, _signature(_arg_names(module, kernel), launch, pointers, scalars),
+                        dict(launch.constexprs), launch.num_warps, decode)
+
+
+def _label(name: str, launch: KernelLaunch, dtype: str) -> str:
+    """The type, the tile constants and the activations' dtype."""
+    tiles = " ".join(f"{k}={v}" for k, v in launch.constexprs.items() if k.startswith("BLOCK_"))
+    return f"{name} {tiles} {dtype}"
+
+
+def _weight_configs(dtypes) -> list[KernelConfig]:
+    out = []
+    for qtype in TRITON_TABLES:
+        name = T(qtype).name
+        for dt in dtypes:
+            act = {"x": f"*{dt}", "out": f"*{dt}", "blocks": "*u8", **_TABLES}
+            ints = {"experts": "*i32", "starts": "*i32", "counts": "*i32",
+                    "tile_experts": "*i32", "tile_starts": "*i32", "tile_counts": "*i32"}
+            launch = dequantize_launch(qtype, _N, _K)
+            out.append(_config("_triton_dequant", "_dequantize_kernel", _label(name, launch, dt), launch,
+                               {"blocks": "*u8", "out": f"*{dt}", **_TABLES}))
+            for m in range(1, GEMV_MAX_M + 1):
+                launch = gemv_launch(qtype, m, _N, _K)
+                label = _label(name, launch, dt)
+                out.append(_config("_triton_qmatmul", "_gemv_kernel", label, launch, act, decode=m == 1))
+                out.append(_config("_triton_qmatmul", "_expert_gemv_kernel", label, launch, {**act, **ints},
+                                   decode=m == 1))
+            for m in (16, 32, 64):
+                launch = gemm_launch(qtype, m, _N, _K, dt)
+                label = _label(name, launch, dt)
+                out.append(_config("_triton_qmatmul", "_gemm_kernel", label, launch, act))
+                out.append(_config("_triton_qmatmul", "_expert_gemm_kernel", label, launch, {**act, **ints}))
+    return out
+
+
+def _attention_configs(dtypes) -> list[KernelConfig]:
+    out = []
+    for fmt in KV_FORMATS:
+        k_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*i8"}[fmt]
+        v_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*u8"}[fmt]
+        scales = "*fp16"  # a float16 placeholder where the format has none
+        for d in HEAD_DIMS:
+            for dt in dtypes:
+                # A rotated store's queries arrive in float32 whatever the activations.
+                pointers = {"q": f"*{dt}", "k": k_type, "v": v_type, "k_scales": scales, "v_scales": scales,
+                            "levels": "*fp32", "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
+                            "part_acc": "*fp32", "part_ml": "*fp32"}
+                shapes = [(1, g, 8192) for g in (1, 2, 4, 8, 16, 32, 64)] + [(512, 4, 8192)]
+                for t, group, n_slots in shapes:
+                    launch, _ = attention_launch(t, group, n_slots, d, fmt)
+                    label = f"{fmt} D={d} {'decode' if t == 1 else 'prefill'} " + _label("", launch, dt).strip()
+                    out.append(_config("_triton_attention", "_attention_kernel", label, launch, pointers,
+                                       decode=t == 1, scalars={"scale": "fp32"}))
+    return out
+
+
+def _kv_quantize_configs(dtypes) -> list[KernelConfig]:
+    from .kv_quant import INT4_BLOCK, INT8_GROUP
+    from .reference import nf4_scale_candidates
+
+    out = []
+    for d in HEAD_DIMS:
+        for dt in dtypes:
+            for bits, group, codes in ((8, INT8_GROUP, "*i8"), (4, INT4_BLOCK, "*u8")):
+                if d % group:
+                    continue
+                launch = kv_quantize_launch(d, group, bits, nf4_scale_candidates().numel())
+                pointers = {"x": f"*{dt}", "slots": "*i64", "codes": codes, "scales": "*fp16", "levels": "*fp32",
+                            "candidates": "*fp32"}
+                out.append(_config("_triton_kv_quant", "_quantize_kernel", f"int{bits} D={d} {dt}", launch, pointers,
+                                   decode=True))
+    return out
+
+
+def _recurrent_configs() -> list[KernelConfig]:
+    floats = {name: "*fp32" for name in ("q", "k", "v", "g", "beta", "state", "out", "x", "taps", "conv")}
+    floats["slots"] = "*i64"
+    out = []
+    for d_k in RECURRENT_DIMS:
+        out.append(_config("_triton_recurrent", "_delta_rule_step_kernel", f"Dk={d_k}", delta_rule_step_launch(d_k),
+                           floats, decode=True))
+        for d_v in RECURRENT_DIMS:
+            launch = delta_rule_chunk_launch(d_k, d_v)
+            out.append(_config("_triton_recurrent", "_delta_rule_chunk_kernel", f"Dk={d_k} Dv={d_v}", launch, floats))
+    for w in CONV_WINDOWS:
+        out.append(_config("_triton_recurrent", "_conv_step_kernel", f"W={w}", conv_step_launch(w), floats,
+                           decode=True))
+    return out
+
+
+def configurations(dtypes=ACTIVATION_DTYPES) -> list[KernelConfig]:
+    """Every distinct configuration of every Triton kernel its launcher can
+    choose for activations in ``dtypes``, each once, in a stable order."""
+    seen, out = set(), []
+    for config in (_weight_configs(dtypes) + _attention_configs(dtypes) + _kv_quantize_configs(dtypes)
+                   + _recurrent_configs()):
+        if config.key not in seen:
+            seen.add(config.key)
+            out.append(config)
+    return out

@@ -1,8 +1,10 @@
-"""Fixtures shared by kernels_test/ and tests/: the real default model."""
+"""Fixtures shared by kernels_test/ and tests/ (the real models), and the
+switch between the Triton interpreter and compiled kernels."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -70,13 +72,34 @@ def reference_llamacpp() -> dict:
     return json.loads((DATA / "gemma-3-270m-q4_k_m.llamacpp.json").read_text())
 
 
+def _gpu_run(config) -> bool:
+    """``pytest -m gpu``: the GPU-marked tests alone, with compiled kernels."""
+    return config.option.markexpr.strip() == "gpu"
+
+
+def pytest_configure(config):
+    """The kernel tests run Triton kernels on CPU tensors through Triton's
+    interpreter, which must be switched on before triton is first imported,
+    hence here, for the whole process. A run of the GPU-marked tests alone
+    leaves it off: on a GPU those are the compiled kernels' tests (the
+    interpreter would run them on the host, where bf16 ``tl.dot`` is wrong)."""
+    if not _gpu_run(config):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA; on a machine without it they are skipped, saying so."""
+    """Tests marked ``gpu`` need CUDA; without it they are skipped, saying so.
+    With CUDA but the interpreter on (a run of more than the GPU tests), they
+    are skipped too, naming the command that runs them compiled."""
     import torch
 
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        reason = "needs a CUDA GPU (none on this machine); runs unchanged where one is present"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "the Triton interpreter is on for this run: `pytest -m gpu` runs the GPU tests with compiled kernels"
+    else:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); runs unchanged where one is present")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

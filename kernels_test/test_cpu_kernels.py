@@ -17,6 +17,8 @@ from strata_kernels import QuantTensor, block_format, cpu_kernels, dequantize, q
 from strata_kernels.launch import CPU_GEMV_MAX_M, CPU_SLAB_ROWS
 from strata_kernels.paging import BlockTables
 
+pytestmark = pytest.mark.cpu_kernels  # run again for each ISA variant (test_cpu_kernels_targets.py)
+
 CPU_TYPES = sorted(cpu_kernels.CPU_KERNEL_TYPES, key=lambda t: t.value)
 
 

@@ -1,8 +1,9 @@
 """The CPU kernels' other ISA variants: the best one this CPU runs serves
 the rest of the suite, so the AVX-512 build without VNNI (Skylake-X), the
 AVX2 build (most laptops and older servers) and the plain C++ one (any CPU)
-are built here too, where this CPU runs them, and the CPU kernel tests run
-against each, chosen with ``STRATA_CPU_ISA`` as a user would. The AVX2
+are built here too, where this CPU runs them, and the tests of the CPU
+kernels (marked ``cpu_kernels``) run against each, chosen with
+``STRATA_CPU_ISA`` as a user would. The AVX2
 run also repeats the default path's accuracy tests, since there ``auto``
 takes float32 activations. About two minutes per variant the first time,
 most of it the compile (then torch's cache)."""
@@ -39,7 +40,8 @@ def test_the_kernel_tests_pass_for_another_isa(isa, simd, extra):
         env=env, capture_output=True, text=True, timeout=900)
     assert probe.stdout.strip() == simd, probe.stdout + probe.stderr
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "not gpu", *KERNEL_TESTS, *extra],
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "cpu_kernels and not gpu",
+         *KERNEL_TESTS, *extra],
         env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=1800)
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

@@ -40,7 +40,7 @@ ROUTINGS = {
 
 @pytest.mark.parametrize("qtype", CPU_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("routing", list(ROUTINGS), ids=lambda r: r.replace(" ", "-").replace(",", ""))
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.cpu_kernels), "triton"])
 def test_expert_matmul_equals_each_rows_experts(qtype, routing, backend):
     ids = ROUTINGS[routing]
     experts = _experts(qtype, seed=qtype.value)
@@ -88,6 +88,7 @@ def test_bad_routing_is_clear():
         expert_matmul(torch.randn(3, experts.shape[2]), experts, g)
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_cpu_call_for_all_experts_equals_one_gemv_each(dtype):
     """``cpu_kernels.gemv_experts`` (every expert's few rows in one parallel

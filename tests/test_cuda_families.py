@@ -106,6 +106,9 @@ def test_cuda_hybrid_matches_the_exact_cpu_path(tmp_path):
 def test_park_and_restore_on_cuda_equal_cold_runs(tmp_path, kv):
     path = write_tiny_model(tmp_path / "llama.gguf", "llama", SHAPE, 12, Q.Q8_0)
     engine = _load(path, device="cuda", kv=kv, conversation_cache_mib=32, min_free_mib=0, checkpoint_every=8)
+    # The pool is pinned host memory and the copies run on their own stream.
+    assert engine.conversations.pool.buffer.is_pinned()
+    assert engine.conversations._copy_stream is not None
     first, second = CORPUS[0], CORPUS[1]
     prompts = [engine.tokenize(t) for t in (first, second, first + " " + second, second + " " + first)]
     warm = [engine.generate(p, max_tokens=6, temperature=0) for p in prompts]

@@ -23,6 +23,8 @@ from strata_runtime.backend import Backend
 from strata_runtime.layers import Linear
 from strata_runtime.quality import agreement, logits_of
 
+pytestmark = pytest.mark.cpu_kernels  # the AVX2 variant's run repeats these (test_cpu_kernels_targets.py)
+
 DATA = Path(__file__).parent / "data"
 PATHS = [("gemma", "auto"), ("smollm2", "auto"), ("gemma", "bfloat16"), ("smollm2", "bfloat16")]
 

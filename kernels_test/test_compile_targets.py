@@ -109,6 +109,7 @@ ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem, 440 bytes 
 @pytest.mark.parametrize("target,registers,shared,warps,expected", [
     ("sm_90", 32, 0, 4, 1.0),  # 16 blocks of 4 warps: every warp slot
     ("sm_90", 128, 0, 4, 0.25),  # 64K registers / (128 x 128 threads) = 4 blocks
+    ("sm_90", 33, 0, 4, 0.75),  # 33 registers are allocated as 40: 12 blocks, not 15
     ("sm_86", 40, 0, 4, 1.0),  # 12 blocks by threads (1536), by registers 12
     ("sm_86", 64, 48 * 1024, 4, 0.167),  # shared memory: 2 blocks of 49 KiB (with the 1 KiB reserve)
     ("sm_80", 255, 0, 4, 0.125),  # 255 registers round to 256 per thread: 2 blocks

@@ -21,13 +21,13 @@ from gguf import GGMLQuantizationType as T
 
 from ._triton_unpack import HAS_OFFSET, SUB_BLOCK, TRITON_TABLES
 from .formats import block_format
+from .kv_quant import KV_FORMATS
 from .launch import GEMV_MAX_M, _pow2_at_least, attention_settings, launch_settings
 
 # Activation dtypes on CUDA: the default path's and dtype="float32"'s.
 ACTIVATION_DTYPES = ("bf16", "fp32")
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
-KV_FORMATS = ("f16", "int8", "k8v4")
-FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}
+FORMAT_CODES = {"f16": 0, "int8": 1, "k8v4": 2}  # the attention kernel's FMT: how it reads each KV format
 
 # Recurrent kernels' fixed tiles.
 DELTA_BLOCK_V = 32  # value columns of the state per program
@@ -129,6 +129,8 @@ def delta_rule_chunk_launch(d_k: int, d_v: int) -> KernelLaunch:
 # --- every configuration ------------------------------------------------------------------
 
 _TABLES = {"grid_ptr": "*u8", "signs_ptr": "*u8", "values_ptr": "*u8"}
+_ROUTING = {"experts": "*i32", "starts": "*i32", "counts": "*i32",  # the expert kernels' run tables
+            "tile_experts": "*i32", "tile_starts": "*i32", "tile_counts": "*i32"}
 _K = 4096  # the tiles do not depend on K (launch_settings)
 _N = 4096
 
@@ -172,8 +174,6 @@ def _weight_configs(dtypes) -> list[KernelConfig]:
         name = T(qtype).name
         for dt in dtypes:
             act = {"x": f"*{dt}", "out": f"*{dt}", "blocks": "*u8", **_TABLES}
-            ints = {"experts": "*i32", "starts": "*i32", "counts": "*i32",
-                    "tile_experts": "*i32", "tile_starts": "*i32", "tile_counts": "*i32"}
             launch = dequantize_launch(qtype, _N, _K)
             out.append(_config("_triton_dequant", "_dequantize_kernel", _label(name, launch, dt), launch,
                                {"blocks": "*u8", "out": f"*{dt}", **_TABLES}))
@@ -181,13 +181,13 @@ def _weight_configs(dtypes) -> list[KernelConfig]:
                 launch = gemv_launch(qtype, m, _N, _K)
                 label = _label(name, launch, dt)
                 out.append(_config("_triton_qmatmul", "_gemv_kernel", label, launch, act, decode=m == 1))
-                out.append(_config("_triton_qmatmul", "_expert_gemv_kernel", label, launch, {**act, **ints},
+                out.append(_config("_triton_qmatmul", "_expert_gemv_kernel", label, launch, {**act, **_ROUTING},
                                    decode=m == 1))
             for m in (16, 32, 64):
                 launch = gemm_launch(qtype, m, _N, _K, dt)
                 label = _label(name, launch, dt)
                 out.append(_config("_triton_qmatmul", "_gemm_kernel", label, launch, act))
-                out.append(_config("_triton_qmatmul", "_expert_gemm_kernel", label, launch, {**act, **ints}))
+                out.append(_config("_triton_qmatmul", "_expert_gemm_kernel", label, launch, {**act, **_ROUTING}))
     return out
 
 
@@ -199,7 +199,8 @@ def _attention_configs(dtypes) -> list[KernelConfig]:
         scales = "*fp16"  # a float16 placeholder where the format has none
         for d in HEAD_DIMS:
             for dt in dtypes:
-                # A rotated store's queries arrive in float32 whatever the activations.
+                # (A rotated store's queries arrive in float32 whatever the
+                # activations: the fp32 configurations cover them.)
                 pointers = {"q": f"*{dt}", "k": k_type, "v": v_type, "k_scales": scales, "v_scales": scales,
                             "levels": "*fp32", "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
                             "part_acc": "*fp32", "part_ml": "*fp32"}

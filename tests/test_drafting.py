@@ -36,8 +36,11 @@ def test_a_draft_is_what_followed_an_earlier_occurrence_of_the_suffix(tokens, ng
         assert len(draft) <= max_draft
         if draft:
             suffix = seq.tokens[n - ngram:]
+            # What followed, continued periodically past the end: the draft is
+            # what follows the occurrence in the sequence extended by the draft.
+            extended = seq.tokens + draft
             starts = [e for e in range(n - 1) if _occurs_before(seq.tokens, suffix, e)
-                      and seq.tokens[e + 1:e + 1 + len(draft)] == draft]
+                      and extended[e + 1:e + 1 + len(draft)] == draft]
             assert starts, (seq.tokens, draft)
         elif n > ngram:
             # Nothing proposed: the suffix does not occur earlier.
@@ -93,6 +96,12 @@ def test_rejected_drafts_shrink_then_pause_the_drafter_and_it_recovers():
         draft = drafter.propose(seq)
         drafter.feedback(seq, len(draft), len(draft))
     assert len(drafter.propose(seq)) == 8
+
+
+def test_a_loop_is_drafted_with_its_period():
+    tokens = [9, 9, 1, 2, 3, 1, 2, 3, 1, 2, 3]  # "1 2 3" repeating: the latest match is three tokens back
+    assert SuffixDrafter(max_draft=7, ngram=3).propose(Seq(5, tokens)) == [1, 2, 3, 1, 2, 3]  # the match's length
+    assert SuffixDrafter(max_draft=7, ngram=2).propose(Seq(5, [4, 4, 4, 4, 4, 4, 4, 4, 4])) == [4] * 7
 
 
 def test_release_forgets_the_sequence_and_bad_settings_are_refused():

@@ -164,3 +164,43 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(model_file):
         assert "SIGTERM: the requests in flight have finished" not in log, log
     finally:
         server.stop()
+
+
+def test_verifies_that_run_out_of_memory_are_skipped_and_every_request_served(model_file):
+    """``--spec suffix`` with out-of-memory injected at both verify points at
+    random: concurrent requests are served with the text the engine gives
+    without speculation, the skips show in /metrics by reason, /health stays
+    200 and the engine is never restarted."""
+    import strata_runtime
+
+    server = LiveServer(*_options(model_file), "--spec", "suffix", "--parallel", "2",
+                        "--inject-fault", "verify_forward:0.5", "--inject-fault", "verify:0.3")
+    code = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(6))
+    conversations = [[{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}],
+                     [{"role": "user", "content": f"Copy this, then say done:\n\n{code}"}]]
+    try:
+        server.wait_for_health(200)
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            reply = client.chat.completions.create(model=model, messages=conversations[i], max_tokens=48,
+                                                   temperature=0)
+            answers[i] = reply.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        plain = strata_runtime.load(model_file, progress=False, conversation_cache_mib=0, context_length=512)
+        assert answers == {i: plain.chat(m, temperature=0, max_tokens=48).text for i, m in enumerate(conversations)}
+        metrics = server.metrics()
+        skipped = metrics['strata:spec_decode_skipped_total{reason="out_of_memory"}']
+        assert skipped > 0 and metrics["strata:spec_decode_num_drafts_total"] > 0, metrics
+        assert metrics["strata:spec_decode_num_accepted_tokens_total"] > 0
+        assert server.health()[0] == 200 and metrics["strata_engine_restarts_total"] == 0
+        assert server.http.get("/props").json()["speculative"]["mode"] == "suffix"
+    finally:
+        server.stop()

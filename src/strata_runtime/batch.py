@@ -20,14 +20,19 @@ class Batch:
 
     Invariant: the step's hidden states hold sequence ``i``'s ``counts[i]``
     rows after those of sequences ``0..i-1``, at its next positions
-    ``caches[i].length ..`` (consecutive); the first ``decoding`` sequences
-    bring one row each (decode steps: one batched attention call), the rest
-    are prompt chunks. Every cache holds the blocks its rows write (checked
-    here, before any layer runs), and every cache is a different sequence
-    of one shared pool.
+    ``caches[i].length ..`` (consecutive). The first ``decoding`` sequences'
+    rows (``decode_rows`` of them) are decode rows: one query each at its own
+    position, attending up to it, all of them in one batched attention call;
+    a sequence there with several rows is a verify (its last token and a
+    draft), its rows decoded side by side as one decode step each would (the
+    same kernel, the same bits). The rest are prompt chunks. Every cache
+    holds the blocks its rows write (checked here, before any layer runs),
+    and every cache is a different sequence of one shared pool.
     """
 
-    def __init__(self, caches: Sequence[KVCache], counts: Sequence[int]):
+    def __init__(self, caches: Sequence[KVCache], counts: Sequence[int], verifies: int = 0):
+        """``verifies``: how many sequences after those with one row are
+        verifies (decode rows; every row gets logits), not prompt chunks."""
         if len(caches) != len(counts) or not caches or min(counts) < 1:
             raise ValueError("a batch needs at least one sequence, each with at least one row")
         if len({id(c) for c in caches}) != len(caches):
@@ -37,11 +42,18 @@ class Batch:
         self.decoding = 0
         while self.decoding < len(counts) and counts[self.decoding] == 1:
             self.decoding += 1
+        if not 0 <= verifies <= len(counts) - self.decoding:
+            raise ValueError(f"{verifies} verifies in a batch of {len(counts)} sequences, {self.decoding} decoding")
+        self.decoding += verifies
+        # Logit rows per sequence: every row of a decode sequence, a prompt chunk's last.
+        self.outputs = [n if i < self.decoding else 1 for i, n in enumerate(self.counts)]
+        self.decode_rows = sum(self.counts[:self.decoding])
+        self._decode_caches = [c for c, n in zip(self.caches[:self.decoding], self.counts) for _ in range(n)]
         for cache, n in zip(self.caches, self.counts):
             cache.check_write(cache.length, n)  # reserves the blocks, or says why not
         self.positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(self.caches, self.counts)])
         self.rows = sum(self.counts)
-        self._decode_positions = self.positions[:self.decoding]
+        self._decode_positions = self.positions[:self.decode_rows]
         self._decode_tables: dict[int, BlockTables] = {}
 
     def __len__(self) -> int:
@@ -57,7 +69,7 @@ class Batch:
         tables = self._decode_tables.get(g)
         if tables is None:
             store = self.caches[0].stores[layer]
-            tables = BlockTables.of([c.blocks[g] for c in self.caches[:self.decoding]],
+            tables = BlockTables.of([c.blocks[g] for c in self._decode_caches],
                                     self.pool.groups[g].block_size, store.k.device)
             self._decode_tables[g] = tables
         return tables
@@ -66,7 +78,7 @@ class Batch:
                          backend: str = "auto") -> torch.Tensor:
         """Every sequence's rows written at its next positions, then its
         queries attending over its own positions: ``[rows, H, D]`` float32."""
-        d = self.decoding
+        d = self.decode_rows
         store = self.caches[0].stores[layer]
         window = self.caches[0].windows[layer]
         outs = []
@@ -74,7 +86,7 @@ class Batch:
             outs.append(decode_attention(q[:d], keys[:d], values[:d], store, self._decode_positions, window, scale,
                                          self.decode_tables(layer), backend))
         at = d
-        for cache, n in zip(self.caches[d:], self.counts[d:]):
+        for cache, n in zip(self.caches[self.decoding:], self.counts[self.decoding:]):
             outs.append(cache.write_and_attend(layer, q[at:at + n], keys[at:at + n], values[at:at + n], scale,
                                                backend))
             at += n
@@ -85,6 +97,8 @@ class Batch:
         sequences' slots (one row each), then each prompt chunk's run."""
         if rows != self.rows:
             raise ValueError(f"the step has {self.rows} rows, the layer got {rows}")
+        if self.decode_rows != self.decoding:
+            raise ValueError("a verify cannot step a recurrent layer: its state holds one position, not one per row")
         store = self.caches[0].stores[layer]
         slots = [cache.recurrent_slot(layer) for cache in self.caches]
         d = self.decoding
@@ -94,9 +108,9 @@ class Batch:
                                              zip(starts, self.counts[d:], slots[d:])])
 
     def decode_view(self, layer: int, positions: torch.Tensor) -> tuple[KVStore, int | None, BlockTables] | None:
-        """Where every sequence decodes one position: ``layer``'s store,
-        window and the sequences' tables, if the CPU decode kernel reads
-        that storage in place; None otherwise."""
+        """Where every row is a decode row: ``layer``'s store, window and
+        the rows' tables, if the CPU decode kernel reads that storage in
+        place; None otherwise."""
         store = self.caches[0].stores[layer]
         if self.decoding != len(self.caches) or not cpu_decode_reads(store):
             return None
@@ -110,6 +124,10 @@ class Batch:
             cache.advance(count)
 
     def last_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Each sequence's last row: the ones a ``last_only`` step gives logits for."""
-        ends = torch.tensor(self.counts).cumsum(0) - 1
-        return x[ends.to(x.device)]
+        """The rows a ``last_only`` step gives logits for: every decode row
+        (a verify's every row), each prompt chunk's last, in order."""
+        ends = torch.tensor(self.counts).cumsum(0)
+        if all(o == 1 for o in self.outputs):
+            return x[(ends - 1).to(x.device)]
+        rows = torch.cat([torch.arange(e - o, e) for e, o in zip(ends.tolist(), self.outputs)])
+        return x[rows.to(x.device)]

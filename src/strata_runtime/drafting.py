@@ -8,7 +8,8 @@ sequence ends (``release``).
 
 ``SuffixDrafter`` costs no model memory: it looks up the sequence's last few
 tokens among its own earlier tokens (prompt and output) and drafts what
-followed them. Coding agents and long chats repeat themselves (a file being
+followed them (continued with the match's period where what followed runs
+into the suffix: a loop). Coding agents and long chats repeat themselves (a file being
 rewritten, a tool's output quoted back), so the continuation of the longest
 earlier match is often right for many tokens. It drafts fewer tokens as its
 acceptance falls, and none for a while when drafting does not pay.
@@ -92,7 +93,13 @@ class SuffixDrafter:
         if best is None:
             return []
         allowed = max(1, round(self.max_draft * index.rate))
-        return list(tokens[best + 1:best + 1 + min(allowed, best_len)])
+        # What followed the match; where that runs into the suffix itself (a
+        # loop, a repeated line) it goes on as the draft so far: the sequence
+        # repeating with the match's period.
+        draft: list[int] = []
+        for at in range(best + 1, best + 1 + min(allowed, best_len)):
+            draft.append(tokens[at] if at < n else draft[at - n])
+        return draft
 
     def feedback(self, sequence: Drafted, proposed: int, accepted: int) -> None:
         """``accepted`` of the ``proposed`` tokens of the last draft were right."""

@@ -28,6 +28,7 @@ from .placement import Placement
 from .memory import MiB, HostMemory
 from .sampling import SamplingParams
 from .scheduler import Generation, Scheduler
+from .speculation import drafter_for, make_drafter
 from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
@@ -52,6 +53,8 @@ class EngineConfig:
     layer_split: str | tuple[int, ...] | None = None  # first layer of each later stage, or "auto"
     distributed: bool = False  # one stage per torch.distributed rank (torchrun); this process is rank 0
     rank_timeout_s: float = 120.0  # a rank silent this long is lost (split across processes)
+    spec: str = "off"  # speculative decoding: "suffix" drafts from the sequence's own earlier tokens, or "off"
+    spec_tokens: int = 7  # draft tokens per verify at most (7: one sequence's verify stays on the CPU's GEMV)
     cache_dir: str | None = None  # where the default model is assembled
     progress: bool = True  # progress bars while assembling and loading
 
@@ -73,6 +76,7 @@ class EngineConfig:
         if self.conversation_cache_mib and not self.conversation_cache_slots:
             raise ValueError("conversation_cache_slots must be at least 1 while conversation_cache_mib is above 0 "
                              "(to park no conversation, set conversation_cache_mib to 0)")
+        make_drafter(self.spec, self.spec_tokens)  # says what is wrong with either
         if self.kv not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         try:
@@ -273,11 +277,18 @@ class Engine:
         if config.distributed:
             cache = self.new_cache(self.context_length)  # the ranks' twin of this cache is the one they step
             return Scheduler(self.model, cache.pool, self.context_length, self.tokenizer.end_of_generation,
-                             max_running=1, conversations=self.conversations, max_residents=1, private=cache)
+                             max_running=1, conversations=self.conversations, max_residents=1, private=cache,
+                             **self._speculation(config))
         pool = KVPool.for_sequences(config.kv, spec, self.model.placement, sequences, self.context_length,
                                     self.model.compute_path.kv_float)
         return Scheduler(self.model, pool, self.context_length, self.tokenizer.end_of_generation,
-                         max_running=parallel, conversations=self.conversations, max_residents=parallel)
+                         max_running=parallel, conversations=self.conversations, max_residents=parallel,
+                         **self._speculation(config))
+
+    def _speculation(self, config: EngineConfig) -> dict[str, Any]:
+        """The scheduler's drafter where this model can speculate (else why not, in ``spec_refusal``)."""
+        drafter, self.spec_refusal = drafter_for(config.spec, config.spec_tokens, self.model.state_spec())
+        return {} if drafter is None else {"drafter": drafter, "spec_tokens": config.spec_tokens}
 
     def stats(self) -> dict[str, Any]:
         """Counters of the conversation cache (empty without one) and the
@@ -400,6 +411,7 @@ class Engine:
             "recurrent_bytes_per_sequence": self.scheduler.pool.recurrent_bytes(),
             "kv_bytes": self.scheduler.pool.nbytes,
             "parallel": self.scheduler.max_running,
+            "speculative": self._speculative_state(),
             "kv_blocks": self.scheduler.pool.total_blocks(),
             "threads": torch.get_num_threads(),
             "cpu_kernels": self._cpu_kernels_state(),
@@ -408,6 +420,12 @@ class Engine:
         }
 
     # --- internals --------------------------------------------------------
+
+    def _speculative_state(self) -> dict[str, Any]:
+        """What ``spec`` resolved to: the drafter and draft length, or off and why."""
+        on = self.scheduler.speculation is not None
+        return {"requested": self.config.spec, "mode": self.config.spec if on else "off",
+                "tokens": self.config.spec_tokens if on else 0, "refusal": self.spec_refusal}
 
     def _kv_storage(self) -> str:
         """The dtype the attention layers' KV is stored in (recurrent state is float32)."""
@@ -506,10 +524,11 @@ class Run:
         the held-back tail too, and ``completion`` is set."""
         seq, text = self.seq, self.text
         out = []
-        for token in seq.take():
+        taken = seq.take()
+        for i, token in enumerate(taken):
             out.append(text.push(token))
             if text.stopped:
-                seq.cancel("stop")
+                seq.stop(unused=len(taken) - 1 - i)
                 break
         if seq.done and self.completion is None:
             out.append(text.finish())

@@ -19,7 +19,7 @@ from strata_kernels.recurrent import RecurrentStore
 
 from .kv_pool import KVPool, store_device, store_fields
 from .placement import Placement
-from .state import PREFILL_CHUNK, RECURRENT, LayerState, RecurrentState  # noqa: F401  (PREFILL_CHUNK: re-exported)
+from .state import DRAFT_MARGIN, PREFILL_CHUNK, RECURRENT, LayerState, RecurrentState  # noqa: F401  (PREFILL_CHUNK: re-exported)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class KVCache:
     ``KVPool`` laid out as the model's ``state_spec()`` says.
 
     Invariant: layer ``l`` holds positions ``max(0, length - capacity(l)) ..
-    length - 1``, found through the sequence's table of its group's blocks
+    length - 1`` (a verify may have written up to ``DRAFT_MARGIN - 1``
+    positions past ``length``: garbage, overwritten before it is read), found through the sequence's table of its group's blocks
     (``tables(l)``: position ``p`` in the ring of the blocks held, see
     ``strata_kernels.paging``). Full-attention layers can hold ``max_tokens``
     positions (they never wrap); sliding-window layers ``window +
@@ -119,11 +120,16 @@ class KVCache:
     # --- blocks -----------------------------------------------------------------
 
     def capacity(self, layer: int) -> int:
-        """Positions ``layer`` keeps: older ones are overwritten (a ring)."""
+        """Positions ``layer`` keeps: older ones are overwritten (a ring).
+        A ring that wraps vouches for ``DRAFT_MARGIN`` fewer than its slots:
+        a verify cut back to this length may have written that many past it,
+        over the oldest."""
         group = self.pool.groups[self.pool.layer_group[layer]]
         if self.pool.private:
-            return group.block_size  # the one block is the whole ring
-        return self.max_tokens if group.ring_blocks is None else group.ring_blocks * group.block_size
+            slots = group.block_size  # the one block is the whole ring
+        else:
+            slots = self.max_tokens if group.ring_blocks is None else group.ring_blocks * group.block_size
+        return slots if slots >= self.max_tokens else slots - DRAFT_MARGIN
 
     def blocks_needed(self, n: int) -> list[int]:
         """More blocks, per group, before ``n`` more positions can be written."""

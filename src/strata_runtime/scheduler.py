@@ -12,6 +12,9 @@ decoding for more than one chunk). Sequences hold KV blocks of one pool
   the most recently admitted running sequence, whose blocks are released
   and which resumes later by reading its tokens again (``recomputed``), after
   its state is parked on the host where a conversation cache can take it;
+- speculation (with a drafter): a decoding sequence with a draft brings
+  its last token and the draft (a verify, ``speculation``) and may advance
+  several tokens; a verify that cannot get its rows or blocks is skipped;
 - residency: a finished sequence keeps its blocks, least recently used
   first to go, parked to the host before they are reused; a new request
   whose prompt extends one (of its scope) takes that sequence's state over.
@@ -38,6 +41,7 @@ from .faults import StepFailed
 from .kv_cache import PREFILL_CHUNK, KVCache
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
+from .speculation import Speculation
 from .testing import armed, fault_point
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)  # being verified this step (``speculation``)
     finish_reason: str | None = None
     cache: KVCache | None = None
     cached_tokens: int = 0  # prompt tokens whose state was reused at admission
@@ -93,6 +98,20 @@ class Generation:
             return f"generation was cancelled after {len(self.generated)} tokens"
         read = self.cache.length if self.cache is not None else 0
         return f"prefill was cancelled after {read} of {len(self.prompt)} tokens"
+
+    def stop(self, unused: int = 0) -> None:
+        """End the sequence at a stop string; the last ``unused`` generated
+        tokens came after it (a verify yields several tokens a step) and are
+        dropped, with their positions in the cache, as if never generated."""
+        if self.state == FINISHED:
+            return
+        if unused > 0:
+            del self.generated[-unused:]
+            del self.tokens[-unused:]
+            self.events = []
+            if self.cache is not None and self.cache.length > len(self.tokens):
+                self.cache.trim(len(self.tokens))
+        self.cancel("stop")
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the sequence (its blocks go back at the next step); a consumer's stop string says "stop"."""
@@ -122,10 +141,12 @@ class Scheduler:
     def __init__(self, model, pool: KVPool, context_length: int, end_of_generation: frozenset[int],
                  max_running: int = 4, max_waiting: int = 64, chunk_tokens: int = PREFILL_CHUNK,
                  conversations: ConversationCache | None = None, max_residents: int = 4,
-                 private: KVCache | None = None):
+                 private: KVCache | None = None, drafter=None, spec_tokens: int = 7):
         """``private``: the one cache every sequence uses in turn (a split
         across processes, whose ranks step their twin of it), with
-        ``max_running`` and ``max_residents`` 1; else caches come from ``pool``."""
+        ``max_running`` and ``max_residents`` 1; else caches come from ``pool``.
+        ``drafter`` (``drafting``): decoding sequences verify its drafts of
+        up to ``spec_tokens`` tokens (``speculation``)."""
         if max_running < 1 or chunk_tokens < 1:
             raise ValueError("max_running and chunk_tokens must be at least 1")
         self.model = model
@@ -145,6 +166,7 @@ class Scheduler:
         self.peak_running = 0  # the most sequences one step has carried
         self._ids = itertools.count()
         self._admissions = itertools.count()
+        self.speculation = None if drafter is None else Speculation(drafter, spec_tokens, self.counters)
 
     # --- requests -----------------------------------------------------------------
 
@@ -187,33 +209,64 @@ class Scheduler:
         batch_seqs, counts = self._plan()
         if not batch_seqs:
             return
-        rows: list[int] = []
-        for seq, n in zip(batch_seqs, counts):
-            at = seq.cache.length
-            rows.extend(seq.tokens[at:at + n])
-        # One sequence steps as itself (the model interface's KVCache; a split
-        # across processes knows no other), several as a Batch.
-        if len(batch_seqs) == 1:
-            state, start = batch_seqs[0].cache, batch_seqs[0].cache.length
-            positions = torch.arange(start, start + counts[0])
-        else:
-            state = Batch([s.cache for s in batch_seqs], counts)
-            positions = state.positions
         self.peak_running = max(self.peak_running, len(batch_seqs))
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(n for s, n in zip(batch_seqs, counts) if s.state == PREFILLING)
         try:
-            if armed("forward"):
-                fault_point("forward", subject=[s.tokens for s in batch_seqs])
-            ids = torch.tensor(rows, dtype=torch.long, device=self.model.device)
-            with torch.inference_mode():
-                logits = self.model(ids, positions.to(self.model.device), state, last_only=True)
-            for i, seq in enumerate(batch_seqs):
-                self._after_rows(seq, logits[i])
+            starts = [s.cache.length for s in batch_seqs]
+            try:
+                logits = self._forward(batch_seqs, counts)
+            except Exception as e:
+                if self.speculation is None or not self.speculation.drop(batch_seqs, e):
+                    raise
+                # Out of memory with verifies in the step: nothing it wrote is
+                # read before it is written again (``speculation``), so it runs
+                # again as plain decode steps.
+                for seq, start in zip(batch_seqs, starts):
+                    seq.cache.length = start
+                counts = [1 if s.state == DECODING else n for s, n in zip(batch_seqs, counts)]
+                logits = self._forward(batch_seqs, counts)
+            at = 0
+            for seq, start in zip(batch_seqs, starts):
+                n = 1 + len(seq.draft)
+                if seq.draft:
+                    self.speculation.accept(seq, logits[at:at + n], self._emit)
+                    self._checkpoint(seq, start)
+                else:
+                    self._after_rows(seq, logits[at], start)
+                at += n
         except Exception as e:
             self._abandon(batch_seqs)
             raise StepFailed([s.id for s in batch_seqs], e) from e
         self.retire()
+
+    def _forward(self, seqs: list[Generation], counts: list[int]) -> torch.Tensor:
+        """The model over ``seqs``' next ``counts`` rows: logits of each
+        sequence's last row, or of every row of a verify, in order."""
+        rows: list[int] = []
+        for seq, n in zip(seqs, counts):
+            at = seq.cache.length
+            rows.extend(seq.tokens[at:at + n] if not seq.draft else [seq.tokens[-1], *seq.draft])
+        verifies = sum(1 for s in seqs if s.draft)
+        # One sequence steps as itself (the model interface's KVCache; a split
+        # across processes knows no other), several, or a verify, as a Batch
+        # (whose decode rows give a verify the bits of one decode step per row).
+        if len(seqs) == 1 and (not verifies or self.private is not None):
+            state, start = seqs[0].cache, seqs[0].cache.length
+            positions = torch.arange(start, start + counts[0])
+        else:
+            state = Batch([s.cache for s in seqs], counts, verifies)
+            positions = state.positions
+        if armed("forward"):
+            fault_point("forward", subject=[s.tokens for s in seqs])
+        ids = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+        with torch.inference_mode():
+            # A Batch gives each verify's every row; a lone verify of a split across processes asks for all rows.
+            last_only = not (verifies and isinstance(state, KVCache))
+            logits = self.model(ids, positions.to(self.model.device), state, last_only=last_only)
+        if armed("verify_forward") and any(s.draft for s in seqs):
+            fault_point("verify_forward", subject=[s.tokens for s in seqs if s.draft])
+        return logits
 
     def _abandon(self, seqs: list[Generation]) -> None:
         """End ``seqs`` after a failed step, dropping their state: layers
@@ -247,8 +300,12 @@ class Scheduler:
                     break
                 self._preempt_newest()
         decoding = [s for s in self.running if s.state == DECODING]
-        seqs, counts = list(decoding), [1] * len(decoding)
         budget = self.chunk_tokens
+        if self.speculation is not None:  # verify rows come out of the step's row budget
+            budget -= self.speculation.plan(decoding, budget)
+        # Plain decode rows first, then verifies, then prompt chunks (``Batch``'s order).
+        decoding.sort(key=lambda s: bool(s.draft))
+        seqs, counts = list(decoding), [1 + len(s.draft) for s in decoding]
         for seq in [s for s in self.running if s.state == PREFILLING]:
             if budget == 0:
                 break
@@ -263,37 +320,48 @@ class Scheduler:
             budget -= end - start
         return seqs, counts
 
-    def _after_rows(self, seq: Generation, logits: torch.Tensor) -> None:
-        self._checkpoint(seq)
+    def _after_rows(self, seq: Generation, logits: torch.Tensor, start: int) -> None:
+        """After a step brought ``seq``'s rows from position ``start``: its
+        next token from ``logits`` (the last row's), once its prompt is read."""
+        self._checkpoint(seq, start)
         if seq.state == PREFILLING:
             if seq.cache.length < len(seq.tokens):
                 return  # more prompt to read
             seq.state = DECODING
+        self._emit(seq, logits)
+
+    def _emit(self, seq: Generation, logits: torch.Tensor) -> bool:
+        """Sample ``seq``'s next token from ``logits`` and append it, or end
+        the sequence (max_tokens, an end-of-generation token); whether it goes on."""
         if seq.max_tokens <= len(seq.generated):
             seq.cancel("length")
-            return
+            return False
         token = seq.sampler(logits, seq.tokens)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         if token in self.end_of_generation:
             seq.cancel("stop")
-            return
+            return False
         seq.tokens.append(token)
         seq.generated.append(token)
         self.counters["generated_tokens"] += 1
         seq.events.append(token)
         if len(seq.generated) >= seq.max_tokens:
             seq.cancel("length")
+            return False
+        return True
 
-    def _checkpoint(self, seq: Generation) -> None:
+    def _checkpoint(self, seq: Generation, start: int) -> None:
         """Running state saved where a prompt chunk stopped at a checkpoint
-        position, and every ``checkpoint_every`` tokens while decoding."""
+        position, and while decoding each time the length passes a multiple
+        of ``checkpoint_every`` (a verify may pass it by several tokens)."""
         cc, p = self.conversations, seq.cache.length
         if cc is None or not seq.cache.has_running_state:
             return
         # Prompt positions chosen at admission; while decoding, every ``checkpoint_every``
         # tokens (a returning conversation may part from the cached one inside the answer).
-        if p in seq.checkpoints or (seq.state == DECODING and cc.checkpoint_every and p % cc.checkpoint_every == 0):
+        every = cc.checkpoint_every
+        if p in seq.checkpoints or (seq.state == DECODING and every and p // every > start // every):
             cc.save_checkpoint(seq.cache, seq.tokens[:p], root=p == seq.root, scope=seq.scope)
 
     # --- admission, preemption, residency ------------------------------------------------
@@ -450,6 +518,8 @@ class Scheduler:
             # The cache holds every token but the last generated one.
             self.residents.append(Resident(cache, tuple(seq.tokens[:cache.length]), seq.scope))
             self.counters[f"finished_{seq.finish_reason}"] += 1
+            if self.speculation is not None:
+                self.speculation.release(seq)
         while len(self.residents) > self.max_residents:
             self._evict_resident()
 

@@ -19,6 +19,11 @@ from strata_kernels.recurrent import RecurrentStore
 # Prefill runs in chunks of at most this many tokens, so a sliding-window
 # layer's ring needs only its window plus one chunk of slots.
 PREFILL_CHUNK = 512
+# A verify (speculative decoding) writes up to this many positions past the
+# length its sequence is then cut back to; in a sliding ring they overwrite
+# the oldest slots, so a ring vouches for this many fewer positions than it
+# holds (``KVCache.capacity``). Drafts are at most ``DRAFT_MARGIN - 1`` tokens.
+DRAFT_MARGIN = 16
 # Positions per KV block: the unit sequences hold and share in a pool (a
 # multiple of every kernel's position tile).
 BLOCK_SIZE = 32

@@ -3,7 +3,10 @@
 Points: ``park_copy``, ``restore_copy``, ``checkpoint_copy`` (the copies
 between the device cache and the staging pool), ``recurrent_copy`` (within
 any of those, the part holding recurrent layers' state), ``staging_lease``
-(asking the pool for pages), ``forward`` (a scheduler step's forward; its
+(asking the pool for pages), ``verify`` (a decoding sequence's verify of
+its draft, as the step is planned; subject: its tokens), ``verify_forward``
+(after the forward of a step carrying verifies, every position written:
+what an out-of-memory inside it leaves), ``forward`` (a scheduler step's forward; its
 subject is the token lists of the step's sequences, for ``match``) and
 ``layer`` (before each decoder layer; its ``stage`` is the layer's index). Nothing is armed unless a test arms it (or ``strata
 serve --inject-fault``, for chaos tests of a server).
@@ -28,8 +31,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 # The optimizations' points: out-of-memory at any of them is skipped and the request served.
+# The conversation cache's:
 OPTIMIZATION_POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "recurrent_copy", "staging_lease")
-POINTS = (*OPTIMIZATION_POINTS, "forward", "layer")
+# Speculative decoding's:
+SPECULATION_POINTS = ("verify", "verify_forward")
+POINTS = (*OPTIMIZATION_POINTS, *SPECULATION_POINTS, "forward", "layer")
 KINDS = ("oom", "device_error", "hang", "kill")
 
 

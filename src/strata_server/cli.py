@@ -62,6 +62,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="first layer of each stage after the first, e.g. 9 or 6,12; or auto (the default)")
     g.add_argument("--rank-timeout", dest="rank_timeout_s", type=float, default=120.0, metavar="SECONDS",
                    help="under torchrun (one stage per rank): a rank silent this long ends the job (default 120)")
+    g.add_argument("--spec", default="off", choices=["off", "suffix"],
+                   help="speculative decoding: suffix drafts tokens by looking the conversation's last tokens up "
+                        "in its own earlier tokens (no model memory); several are checked in one forward, and the "
+                        "output is the same as without it (default off)")
+    g.add_argument("--spec-tokens", type=_positive_int, default=7,
+                   help="draft tokens checked per step at most, 1-15 (default 7)")
     c = p.add_argument_group("conversation cache")
     c.add_argument("--conversation-cache-mib", type=_whole, default=1024,
                    help="host staging pool for parked conversations, reserved at start (0: none)")
@@ -120,7 +126,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, requests in flight get this long to finish before the server exits (default 30)")
     g.add_argument("--inject-fault", action="append", default=[], metavar="POINT[:RATE[:KIND]][@TEXT]", type=_fault,
                    help="chaos testing: make the engine fail at POINT (park_copy, restore_copy, checkpoint_copy, "
-                        "recurrent_copy, staging_lease, forward, layer) on every call or on a seeded random RATE of "
+                        "recurrent_copy, staging_lease, verify, verify_forward, forward, layer) on every call or on a seeded random RATE of "
                         "them, as KIND says (oom: out-of-memory, the default; device_error; hang; kill); @TEXT: "
                         "only a forward whose prompts contain TEXT; repeatable")
 
@@ -130,7 +136,7 @@ SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
                     "presence_penalty", "frequency_penalty", "seed", "stop")
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "parallel", "kv_memory_mib",
                   "conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices",
-                  "layer_split", "rank_timeout_s")
+                  "layer_split", "rank_timeout_s", "spec", "spec_tokens")
 
 
 def _fault(text: str) -> str:

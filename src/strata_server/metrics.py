@@ -138,3 +138,32 @@ class _SchedulerCollector:
                                   value=s.get("prefix_query_tokens", 0))
         yield CounterMetricFamily("strata:prefix_cache_hits", "prompt tokens found in the prefix cache",
                                   value=s.get("prefix_hit_tokens", 0))
+        yield from _speculation_metrics(s)
+
+
+def _speculation_metrics(s: dict[str, Any]):
+    """Speculative decoding's counters under vLLM's names, the skips by
+    reason, and the mean tokens a verify step yields (1 + accepted / drafts).
+    The scheduler lists every reason and draft position from the start
+    (zeros), so the label sets are known without importing the runtime here."""
+    drafts = s.get("spec_drafts", 0)
+    yield CounterMetricFamily("strata:spec_decode_num_drafts", "verifies run (a decoding sequence and its draft)",
+                              value=drafts)
+    yield CounterMetricFamily("strata:spec_decode_num_draft_tokens", "draft tokens proposed",
+                              value=s.get("spec_draft_tokens", 0))
+    yield CounterMetricFamily("strata:spec_decode_num_accepted_tokens", "draft tokens accepted",
+                              value=s.get("spec_accepted_tokens", 0))
+    per_position = CounterMetricFamily("strata:spec_decode_num_accepted_tokens_per_pos",
+                                       "draft tokens accepted at each draft position", labels=["position"])
+    skipped = CounterMetricFamily("strata:spec_decode_skipped", "verifies skipped (the step decoded one token)",
+                                  labels=["reason"])
+    for key, value in s.items():
+        if key.startswith("spec_accepted_at_"):
+            per_position.add_metric([key.removeprefix("spec_accepted_at_")], value)
+        elif key.startswith("spec_skipped_"):
+            skipped.add_metric([key.removeprefix("spec_skipped_")], value)
+    yield per_position
+    yield skipped
+    yield GaugeMetricFamily("strata:spec_decode_mean_acceptance_length", "tokens a verify yields on average "
+                            "(1 + accepted / drafts; 0 before the first verify)",
+                            value=1 + s.get("spec_accepted_tokens", 0) / drafts if drafts else 0.0)

@@ -1,0 +1,169 @@
+"""Speculative decoding inside the scheduler's step.
+
+A decoding sequence with a draft (``drafting``: guesses at its next tokens)
+brings its last token and the draft to the step as one short run of rows (a
+verify), instead of its last token alone; the step's forward gives logits
+at every one of those rows. Row ``i`` predicts the token after draft token
+``i``, so sampling row 0, then row 1 while the sampled token equals the
+draft, and so on, yields what plain decoding would have yielded one step at
+a time, up to ``1 + len(draft)`` tokens for one forward. With a draft that
+is one token per position (a point mass, as every drafter here gives), this
+is exactly the rejection rule of speculative sampling: the output is
+distributed as the target's, and a seeded sampler (one random draw per
+token) gives the same tokens as without speculation.
+
+Afterwards the sequence is cut back to what was accepted: full-attention
+layers by length; sliding rings are sized so the rejected positions only
+overwrote slots outside every live window (``state.DRAFT_MARGIN``).
+Recurrent state cannot be cut back (it would need a slot per draft
+position): models with recurrent layers do not speculate yet.
+
+A verify is an optimization: where it cannot get its rows (the step's row
+budget, the KV pool's blocks, an out-of-memory at the ``verify`` fault point
+or in the verify's forward) the sequence decodes one token that step, the
+skip is counted by reason and logged once per reason, and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable, Sequence
+
+import torch
+
+from .drafting import SuffixDrafter
+from .faults import describe, is_out_of_memory
+from .state import DRAFT_MARGIN, LayerState, RecurrentState
+from .testing import armed, fault_point
+
+log = logging.getLogger(__name__)
+
+SPEC_MODES = ("off", "suffix")
+# Why a verify was skipped (counted as ``spec_skipped_<reason>``).
+SKIP_REASONS = ("budget", "kv_blocks", "out_of_memory")
+MAX_DRAFT = DRAFT_MARGIN - 1
+
+
+def make_drafter(mode: str, tokens: int):
+    """The drafter of ``--spec MODE`` (None for "off")."""
+    if mode not in SPEC_MODES:
+        raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
+    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_DRAFT:
+        raise ValueError(f"spec_tokens must be a whole number in 1..{MAX_DRAFT}, got {tokens!r}")
+    return None if mode == "off" else SuffixDrafter(max_draft=tokens)
+
+
+def drafter_for(mode: str, tokens: int, spec: Sequence[LayerState]):
+    """``(drafter, refusal)``: the drafter of ``mode`` for a model whose
+    state is ``spec``, or None and why it cannot speculate (None: "off")."""
+    if mode == "off":
+        return None, None
+    if any(isinstance(layer, RecurrentState) for layer in spec):
+        refusal = "the model has recurrent layers, whose state cannot be cut back to an accepted draft position yet"
+        log.warning("speculative decoding is off: %s", refusal)
+        return None, refusal
+    return make_drafter(mode, tokens), None
+
+
+class Speculation:
+    """The drafts of one scheduler's sequences and what their verifies accepted.
+
+    Invariant: a sequence's ``draft`` is non-empty only between the plan of
+    a step that verifies it and that step's acceptance; while it is, the
+    sequence holds blocks for its last token and every draft token.
+    ``counters`` is the scheduler's (``spec_*`` keys).
+    """
+
+    def __init__(self, drafter, max_tokens: int, counters: Counter):
+        self.drafter = drafter
+        self.max_tokens = max_tokens
+        self.counters = counters
+        self._logged: set[str] = set()
+        # Every counter listed from the start: a dashboard sees each reason and position at 0.
+        for key in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens",
+                    *(f"spec_skipped_{r}" for r in SKIP_REASONS), *(f"spec_accepted_at_{i}" for i in range(max_tokens))):
+            counters[key] += 0
+
+    def plan(self, decoding: Sequence, budget: int) -> int:
+        """Set ``draft`` on each of ``decoding`` that gets a verify this step
+        (blocks reserved for it) within ``budget`` rows; return the rows the
+        drafts took beyond one per sequence."""
+        used = 0
+        for seq in decoding:
+            seq.draft = []
+            draft = self.drafter.propose(seq)
+            # The last emitted token is the verify's own: a draft never runs past max_tokens or the context.
+            room = min(self.max_tokens, seq.max_tokens - len(seq.generated) - 1,
+                       seq.cache.max_tokens - seq.cache.length - 1)
+            draft = draft[:max(0, room)]
+            if not draft:
+                continue
+            if len(draft) > budget - used:
+                self.skip("budget", f"the step's {budget} rows are taken")
+                draft = draft[:budget - used]
+                if not draft:
+                    continue
+            try:
+                if armed("verify"):
+                    fault_point("verify", subject=seq.tokens)
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                self.skip("out_of_memory", describe(e))
+                continue
+            if not seq.cache.reserve(1 + len(draft)):  # never preempts: a verify is an optimization
+                self.skip("kv_blocks", "the KV pool has no free block for the draft's positions")
+                continue
+            seq.draft = draft
+            used += len(draft)
+        return used
+
+    def skip(self, reason: str, why: str) -> None:
+        self.counters[f"spec_skipped_{reason}"] += 1
+        if reason not in self._logged:  # once per reason: a full pool would say it every step
+            self._logged.add(reason)
+            log.warning("speculation: a verify was skipped (%s: %s); the sequence decodes one token "
+                        "(counted as spec_skipped_%s, logged once)", reason, why, reason)
+
+    def drop(self, seqs: Sequence, error: BaseException) -> bool:
+        """After a step carrying verifies failed with ``error``: whether it was
+        out of memory (then every draft is dropped, counted, and the step can
+        run again without them)."""
+        if not any(s.draft for s in seqs) or not is_out_of_memory(error):
+            return False
+        for seq in seqs:
+            if seq.draft:
+                seq.draft = []
+                self.skip("out_of_memory", describe(error))
+        return True
+
+    def accept(self, seq, logits: torch.Tensor, emit: Callable[[object, torch.Tensor], bool]) -> None:
+        """Sample ``seq``'s verify rows ``logits`` ``[1 + k, vocab]`` in order
+        through ``emit`` (the scheduler's one-token step: False once the
+        sequence has ended) while the sampled token equals the draft; then
+        cut the cache back to the positions that agree with its tokens."""
+        draft, seq.draft = seq.draft, []
+        written = seq.cache.length  # the verify wrote the last token and the whole draft
+        base = written - len(draft)  # positions up to base - 1 hold tokens; then the draft
+        accepted = 0
+        for i in range(len(draft) + 1):
+            if not emit(seq, logits[i]):
+                break
+            if i == len(draft) or seq.tokens[-1] != draft[i]:
+                break
+            accepted += 1
+        keep = base
+        while keep < written and keep < len(seq.tokens) and seq.tokens[keep] == draft[keep - base]:
+            keep += 1
+        if seq.cache.trim(keep) != keep:
+            raise RuntimeError(f"a verify's cache could not be cut back to {keep} positions")
+        self.drafter.feedback(seq, len(draft), accepted)
+        self.counters["spec_drafts"] += 1
+        self.counters["spec_draft_tokens"] += len(draft)
+        self.counters["spec_accepted_tokens"] += accepted
+        for i in range(accepted):
+            self.counters[f"spec_accepted_at_{i}"] += 1
+
+    def release(self, seq) -> None:
+        self.drafter.release(seq)

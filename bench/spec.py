@@ -1,15 +1,16 @@
 """Speculative decoding's speed: decode tokens/s with the suffix drafter
 against without it, on the same model in the same run.
 
-    python bench/spec.py [--model PATH] [--max-tokens 200] [--spec-tokens 7] [--clients 1 4]
+    python bench/spec.py [--model PATH] [--draft-model PATH] [--max-tokens 200] [--spec-tokens 7] [--clients 1 4]
 
 Workloads (``draft_replay.workloads``): a file rewritten whole with one
 rename; a chat whose second turn asks for the first answer again; free prose.
-Each runs greedy on two engines of the model (``spec="suffix"`` and
-``"off"``), one client (one request) and four (four requests decoded
+Each runs greedy on engines of the model with ``spec="off"``, ``"suffix"``
+and, with ``--draft-model``, ``"draft"`` (the model's own file is a valid
+draft: every draft right, at a draft forward per token), one client (one request) and four (four requests decoded
 together), after a warm-up run of the same prompts so that prefill is a
 cached prefix and the timed run is decode. Prints per workload and client
-count: decode tokens/s without and with speculation and their ratio, the
+count: decode tokens/s without speculation, and per drafter its ratio to that, the
 tokens a verify yields (1 + accepted / drafts), the share of sequence steps
 that verified a draft, and whether the outputs were equal (they must be).
 """
@@ -56,36 +57,54 @@ def _counters(engine) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
+    ap.add_argument("--draft-model", default=None, help="a GGUF of the model's vocabulary: adds the draft drafter")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--spec-tokens", type=int, default=7)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     args = ap.parse_args()
     options = dict(progress=False, conversation_cache_mib=0, parallel=max(args.clients), context_length=4096)
-    plain = strata_runtime.load(args.model, spec="off", **options)
-    spec = strata_runtime.load(args.model, spec="suffix", spec_tokens=args.spec_tokens, **options)
+    engines = {"off": strata_runtime.load(args.model, spec="off", **options),
+               "suffix": strata_runtime.load(args.model, spec="suffix", spec_tokens=args.spec_tokens, **options)}
+    if args.draft_model:
+        engines["draft"] = strata_runtime.load(args.model, spec="draft", draft_model=args.draft_model,
+                                               spec_tokens=args.spec_tokens, **options)
+    plain = engines["off"]
     print(f"model: {plain.props()['model']} ({plain.props()['architecture']}); path {plain.props()['dtype']}; "
-          f"{torch.get_num_threads()} threads; {platform.processor() or platform.machine()}")
+          f"{torch.get_num_threads()} threads; {platform.processor() or platform.machine()}"
+          + (f"; draft model {args.draft_model}" if args.draft_model else ""))
     print(f"greedy, {args.max_tokens} tokens at most, drafts of up to {args.spec_tokens} tokens\n")
-    print(f"{'workload':<9} {'clients':>7} {'off tok/s':>10} {'suffix tok/s':>13} {'ratio':>6} "
-          f"{'tokens/verify':>14} {'verified':>9} {'equal':>6}")
-    for name, messages in workloads(plain).items():
+    drafters = [name for name in engines if name != "off"]
+    print(f"{'workload':<9} {'clients':>7} {'off tok/s':>10} "
+          + " ".join(f"{name + ' tok/s':>13} {'ratio':>6} {'tok/verify':>10} {'verified':>8}" for name in drafters)
+          + f" {'equal':>6}")
+    # Every engine answers the workloads' first chat, so that each holds the
+    # same resident sequences (a prompt's prefix reuse decides how its rows
+    # are chunked, and the default path's prefill GEMM rounds by chunk).
+    chats = workloads(plain)
+    for name in drafters:
+        workloads(engines[name])
+    for name, messages in chats.items():
         prompt = plain.chat_prompt(messages)
         for clients in args.clients:
             prompts = [prompt] * clients
             results = {}
-            for label, engine in (("off", plain), ("suffix", spec)):
+            for label, engine in engines.items():
                 _decode(engine, prompts, args.max_tokens)  # warm-up: the prompts become resident prefixes
                 before = _counters(engine)
                 outputs, rate = _decode(engine, prompts, args.max_tokens)
                 after = _counters(engine)
                 results[label] = (outputs, rate, {k: after[k] - before[k] for k in after})
-            (off_out, off_rate, _), (on_out, on_rate, d) = results["off"], results["suffix"]
-            per_verify = 1 + d["spec_accepted_tokens"] / d["spec_drafts"] if d["spec_drafts"] else 0.0
-            # Sequence steps: each generated token not accepted from a draft took one.
-            seq_steps = d["generated_tokens"] - d["spec_accepted_tokens"]
-            verified = d["spec_drafts"] / seq_steps if seq_steps else 0.0
-            print(f"{name:<9} {clients:>7} {off_rate:>10.1f} {on_rate:>13.1f} {on_rate / off_rate:>5.2f}x "
-                  f"{per_verify:>14.2f} {verified:>8.0%} {str(off_out == on_out):>6}", flush=True)
+            off_out, off_rate, _ = results["off"]
+            cells = []
+            for label in drafters:
+                _, rate, d = results[label]
+                per_verify = 1 + d["spec_accepted_tokens"] / d["spec_drafts"] if d["spec_drafts"] else 0.0
+                # Sequence steps: each generated token not accepted from a draft took one.
+                seq_steps = d["generated_tokens"] - d["spec_accepted_tokens"]
+                verified = d["spec_drafts"] / seq_steps if seq_steps else 0.0
+                cells.append(f"{rate:>13.1f} {rate / off_rate:>5.2f}x {per_verify:>10.2f} {verified:>8.0%}")
+            equal = all(results[label][0] == off_out for label in drafters)
+            print(f"{name:<9} {clients:>7} {off_rate:>10.1f} " + " ".join(cells) + f" {str(equal):>6}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 import strata_runtime
+from strata_runtime.errors import ModelFileError
 from strata_runtime.batch import Batch
 from strata_runtime.generation import decode_step, prefill
 from strata_runtime.kv_pool import KVPool
@@ -169,35 +170,47 @@ def test_a_verify_that_fails_for_memory_is_skipped_and_the_request_served(smollm
         assert _spec(spec)["spec_drafts"] == before["spec_drafts"]
 
 
-def _scheduler(engine, sequences: float, spec: bool, chunk_tokens: int) -> Scheduler:
+def _scheduler(engine, sequences: float, spec: bool, chunk_tokens: int = 512, running: int = 1) -> Scheduler:
     """A scheduler over ``engine``'s model with a pool of ``sequences`` full sequences' blocks."""
     model = engine.model
     pool = KVPool.for_sequences(engine.config.kv, model.state_spec(), model.placement, sequences,
                                 engine.context_length, model.compute_path.kv_float)
-    return Scheduler(model, pool, engine.context_length, engine.tokenizer.end_of_generation, max_running=1,
+    return Scheduler(model, pool, engine.context_length, engine.tokenizer.end_of_generation, max_running=running,
                      chunk_tokens=chunk_tokens, drafter=make_drafter("suffix" if spec else "off", 7))
 
 
+def _run(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int) -> list[tuple]:
+    seqs = [scheduler.submit(p, SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+    scheduler.run_until(lambda: all(s.done for s in seqs))
+    return [(s.generated, s.finish_reason, len(s.tokens)) for s in seqs]
+
+
 def test_the_step_budget_and_a_full_pool_skip_verifies(tmp_path):
-    """A step with fewer spare rows than a draft truncates it ("budget"); a
-    pool without a free block for a draft's positions skips it ("kv_blocks",
-    never preempting for it), until the sequence has every block; the
-    output is unchanged."""
+    """Drafts share the rows a step may carry, one row per sequence in turn
+    (at most the GEMV's 8 decode rows; the prompt-chunk budget too): a
+    sequence left without one decodes plainly ("budget"). A pool without a
+    free block for a draft's positions skips it ("kv_blocks", never
+    preempting for it), until the sequence has every block. Outputs unchanged."""
     engine = strata_runtime.load(write_tiny_model(tmp_path / "llama.gguf", "llama", Shape(), seed=5),
                                  dtype="float32", progress=False, conversation_cache_mib=0)
-    prompt = _tiny_prompts(engine)[0]
-    outputs, schedulers = [], []
-    for spec in (True, False):
-        scheduler = _scheduler(engine, 0.5, spec, chunk_tokens=4)  # 4 blocks of 32 positions; drafts cut to 4
-        seq = scheduler.submit(prompt, SamplingParams(temperature=0, max_tokens=200))
-        scheduler.run_until(lambda: seq.done)
-        outputs.append((seq.generated, seq.finish_reason, len(seq.tokens)))
-        schedulers.append(scheduler)
-    assert outputs[0] == outputs[1] and outputs[0][1] == "length"
-    assert outputs[0][2] in (128, 129)  # the pool's 128 positions (and the last token, never written)
-    counts = schedulers[0].counters
-    assert counts["spec_skipped_budget"] > 0 and counts["spec_skipped_kv_blocks"] > 0, counts
-    assert counts["spec_accepted_tokens"] > 0 and counts["preemptions_recomputed"] == 0, counts
+    prompts = _tiny_prompts(engine)
+    # One sequence, 4 blocks of 32 positions, a step budget of 4 rows.
+    spec, plain = (_scheduler(engine, 0.5, s, chunk_tokens=4) for s in (True, False))
+    alone = _run(spec, prompts[:1], 200)
+    assert alone == _run(plain, prompts[:1], 200) and alone[0][1] == "length"
+    assert alone[0][2] in (128, 129)  # the pool's 128 positions (and the last token, never written)
+    counts = spec.counters
+    assert counts["spec_skipped_kv_blocks"] > 0 and counts["preemptions_recomputed"] == 0, counts
+    assert counts["spec_accepted_tokens"] > 0 and counts["spec_accepted_at_4"] == 0, counts  # drafts cut to 4
+    # Three sequences, 5 decode rows a step: 2 draft rows to share.
+    spec, plain = (_scheduler(engine, 3, s, running=3) for s in (True, False))
+    spec.speculation.step_rows = 5
+    together = _run(spec, prompts, 100)
+    assert together == _run(plain, prompts, 100)
+    counts = spec.counters
+    assert counts["spec_skipped_budget"] > 0 and counts["spec_accepted_tokens"] > 0, counts
+
+
 def _tiny_prompts(engine) -> list[list[int]]:
     """Prompts whose continuations repeat (tiny random models loop, and the drafter finds the loop)."""
     text = "def f(x):\n    return x ** 2  # squares\n\nprint(f(3))"
@@ -253,9 +266,46 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tmp_path):
             assert chi2_contingency(table).pvalue > 1e-3, (position, table)
 
 
+def test_a_draft_model_sharing_the_vocabulary_drafts_and_the_output_is_unchanged(tmp_path):
+    """``spec="draft"``: the target's own file as its draft (every greedy
+    draft right) and a smaller model of the same vocabulary (drafts
+    rejected too), alone and in batches: the output of plain decoding."""
+    target = write_tiny_model(tmp_path / "target.gguf", "llama", Shape(), seed=5)
+    small = write_tiny_model(tmp_path / "small.gguf", "llama", Shape(hidden=32, heads=2, kv_heads=1, ffn=48), seed=6)
+    options = dict(dtype="float32", progress=False, conversation_cache_mib=0, context_length=256, parallel=3)
+    plain = strata_runtime.load(target, **options)
+    prompts = _tiny_prompts(plain)
+    alone = [plain.generate(p, temperature=0, max_tokens=60).tokens for p in prompts]
+    for draft in (target, small):
+        spec = strata_runtime.load(target, spec="draft", draft_model=str(draft), **options)
+        assert spec.props()["speculative"]["draft_model"] == str(draft)
+        assert [spec.generate(p, temperature=0, max_tokens=60).tokens for p in prompts] == alone
+        assert [c.tokens for c in spec.generate_many(prompts, temperature=0, max_tokens=60)] == alone
+        counts = _spec(spec)
+        assert counts["spec_drafts"] > 0, counts
+        if draft == target:
+            assert counts["spec_accepted_tokens"] == counts["spec_draft_tokens"], counts
+        else:
+            assert counts["spec_accepted_tokens"] < counts["spec_draft_tokens"], counts
+        # Every draft cache went back to the draft model's pool with its sequence.
+        drafter = spec.scheduler.speculation.drafter
+        assert not drafter._states and sum(drafter.pool.free_blocks()) == drafter.pool.total_blocks()
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_load(tmp_path, smollm2_file):
+    target = write_tiny_model(tmp_path / "target.gguf", "llama", Shape(), seed=5)
+    with pytest.raises(ModelFileError, match="vocabulary .* is not the target's"):
+        strata_runtime.load(target, spec="draft", draft_model=str(smollm2_file), progress=False,
+                            conversation_cache_mib=0)
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="spec must be one of"):
         strata_runtime.EngineConfig(spec="eagle")
     with pytest.raises(ValueError, match="spec_tokens must be a whole number in 1..15"):
         strata_runtime.EngineConfig(spec="suffix", spec_tokens=16)
+    with pytest.raises(ValueError, match="spec='draft' needs draft_model"):
+        strata_runtime.EngineConfig(spec="draft")
+    with pytest.raises(ValueError, match="draft_model is used with spec='draft' only"):
+        strata_runtime.EngineConfig(spec="suffix", draft_model="small.gguf")
     assert SamplingParams(temperature=0).greedy

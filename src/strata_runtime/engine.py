@@ -28,7 +28,7 @@ from .placement import Placement
 from .memory import MiB, HostMemory
 from .sampling import SamplingParams
 from .scheduler import Generation, Scheduler
-from .speculation import drafter_for, make_drafter
+from .speculation import check_settings, drafter_for
 from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
@@ -53,8 +53,9 @@ class EngineConfig:
     layer_split: str | tuple[int, ...] | None = None  # first layer of each later stage, or "auto"
     distributed: bool = False  # one stage per torch.distributed rank (torchrun); this process is rank 0
     rank_timeout_s: float = 120.0  # a rank silent this long is lost (split across processes)
-    spec: str = "off"  # speculative decoding: "suffix" drafts from the sequence's own earlier tokens, or "off"
+    spec: str = "off"  # speculative decoding: "suffix" (from the sequence's own earlier tokens), "draft", or "off"
     spec_tokens: int = 7  # draft tokens per verify at most (7: one sequence's verify stays on the CPU's GEMV)
+    draft_model: str | None = None  # spec="draft": a GGUF sharing the target's vocabulary
     cache_dir: str | None = None  # where the default model is assembled
     progress: bool = True  # progress bars while assembling and loading
 
@@ -76,7 +77,7 @@ class EngineConfig:
         if self.conversation_cache_mib and not self.conversation_cache_slots:
             raise ValueError("conversation_cache_slots must be at least 1 while conversation_cache_mib is above 0 "
                              "(to park no conversation, set conversation_cache_mib to 0)")
-        make_drafter(self.spec, self.spec_tokens)  # says what is wrong with either
+        check_settings(self.spec, self.spec_tokens, self.draft_model)
         if self.kv not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         try:
@@ -278,16 +279,25 @@ class Engine:
             cache = self.new_cache(self.context_length)  # the ranks' twin of this cache is the one they step
             return Scheduler(self.model, cache.pool, self.context_length, self.tokenizer.end_of_generation,
                              max_running=1, conversations=self.conversations, max_residents=1, private=cache,
-                             **self._speculation(config))
+                             **self._speculation(config, 1))
         pool = KVPool.for_sequences(config.kv, spec, self.model.placement, sequences, self.context_length,
                                     self.model.compute_path.kv_float)
         return Scheduler(self.model, pool, self.context_length, self.tokenizer.end_of_generation,
                          max_running=parallel, conversations=self.conversations, max_residents=parallel,
-                         **self._speculation(config))
+                         **self._speculation(config, parallel))
 
-    def _speculation(self, config: EngineConfig) -> dict[str, Any]:
-        """The scheduler's drafter where this model can speculate (else why not, in ``spec_refusal``)."""
-        drafter, self.spec_refusal = drafter_for(config.spec, config.spec_tokens, self.model.state_spec())
+    def _speculation(self, config: EngineConfig, sequences: int) -> dict[str, Any]:
+        """The scheduler's drafter where this model can speculate (else why
+        not, in ``spec_refusal``); a draft model's KV for ``sequences`` is reserved here."""
+        from .draft_model import DraftModelDrafter
+
+        def load_draft_model():
+            return DraftModelDrafter.load(config.draft_model, self.tokenizer, str(self.model.device), config.dtype,
+                                          config.kv, sequences, self.context_length, config.spec_tokens,
+                                          config.progress)
+
+        drafter, self.spec_refusal = drafter_for(config.spec, config.spec_tokens, self.model.state_spec(),
+                                                 load_draft_model)
         return {} if drafter is None else {"drafter": drafter, "spec_tokens": config.spec_tokens}
 
     def stats(self) -> dict[str, Any]:
@@ -424,8 +434,10 @@ class Engine:
     def _speculative_state(self) -> dict[str, Any]:
         """What ``spec`` resolved to: the drafter and draft length, or off and why."""
         on = self.scheduler.speculation is not None
-        return {"requested": self.config.spec, "mode": self.config.spec if on else "off",
-                "tokens": self.config.spec_tokens if on else 0, "refusal": self.spec_refusal}
+        state = {"requested": self.config.spec, "mode": self.config.spec if on else "off",
+                 "tokens": self.config.spec_tokens if on else 0, "refusal": self.spec_refusal}
+        describe = getattr(self.scheduler.speculation.drafter, "describe", None) if on else None
+        return state | (describe() if describe else {})
 
     def _kv_storage(self) -> str:
         """The dtype the attention layers' KV is stored in (recurrent state is float32)."""

@@ -513,13 +513,13 @@ class Scheduler:
         for seq in [s for s in self.running if s.state == FINISHED]:
             self.running.remove(seq)
             cache, seq.cache = seq.cache, None
+            if self.speculation is not None:
+                self.speculation.release(seq)
             if cache is None:
                 continue
             # The cache holds every token but the last generated one.
             self.residents.append(Resident(cache, tuple(seq.tokens[:cache.length]), seq.scope))
             self.counters[f"finished_{seq.finish_reason}"] += 1
-            if self.speculation is not None:
-                self.speculation.release(seq)
         while len(self.residents) > self.max_residents:
             self._evict_resident()
 

@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from strata_kernels.launch import CPU_GEMV_MAX_M
+
 from .drafting import SuffixDrafter
 from .faults import describe, is_out_of_memory
 from .state import DRAFT_MARGIN, LayerState, RecurrentState
@@ -39,22 +41,34 @@ from .testing import armed, fault_point
 
 log = logging.getLogger(__name__)
 
-SPEC_MODES = ("off", "suffix")
+SPEC_MODES = ("off", "suffix", "draft")
 # Why a verify was skipped (counted as ``spec_skipped_<reason>``).
 SKIP_REASONS = ("budget", "kv_blocks", "out_of_memory")
 MAX_DRAFT = DRAFT_MARGIN - 1
 
 
-def make_drafter(mode: str, tokens: int):
-    """The drafter of ``--spec MODE`` (None for "off")."""
+def check_settings(mode: str, tokens: int, draft_model) -> None:
+    """Refuse a ``--spec`` / ``--spec-tokens`` / ``--draft-model`` combination that cannot work."""
     if mode not in SPEC_MODES:
         raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
     if not isinstance(tokens, int) or not 1 <= tokens <= MAX_DRAFT:
         raise ValueError(f"spec_tokens must be a whole number in 1..{MAX_DRAFT}, got {tokens!r}")
-    return None if mode == "off" else SuffixDrafter(max_draft=tokens)
+    if mode == "draft" and not draft_model:
+        raise ValueError("spec='draft' needs draft_model: the path of a GGUF that shares the target's vocabulary")
+    if draft_model and mode != "draft":
+        raise ValueError(f"draft_model is used with spec='draft' only (spec is {mode!r})")
 
 
-def drafter_for(mode: str, tokens: int, spec: Sequence[LayerState]):
+def make_drafter(mode: str, tokens: int, load_draft_model: Callable[[], object] | None = None):
+    """The drafter of ``--spec MODE`` (None for "off"); "draft" calls
+    ``load_draft_model`` (``draft_model.DraftModelDrafter.load`` with the engine's settings)."""
+    check_settings(mode, tokens, "given" if mode == "draft" else None)
+    if mode == "off":
+        return None
+    return SuffixDrafter(max_draft=tokens) if mode == "suffix" else load_draft_model()
+
+
+def drafter_for(mode: str, tokens: int, spec: Sequence[LayerState], load_draft_model=None):
     """``(drafter, refusal)``: the drafter of ``mode`` for a model whose
     state is ``spec``, or None and why it cannot speculate (None: "off")."""
     if mode == "off":
@@ -63,7 +77,7 @@ def drafter_for(mode: str, tokens: int, spec: Sequence[LayerState]):
         refusal = "the model has recurrent layers, whose state cannot be cut back to an accepted draft position yet"
         log.warning("speculative decoding is off: %s", refusal)
         return None, refusal
-    return make_drafter(mode, tokens), None
+    return make_drafter(mode, tokens, load_draft_model), None
 
 
 class Speculation:
@@ -75,9 +89,15 @@ class Speculation:
     ``counters`` is the scheduler's (``spec_*`` keys).
     """
 
-    def __init__(self, drafter, max_tokens: int, counters: Counter):
+    def __init__(self, drafter, max_tokens: int, counters: Counter, step_rows: int = CPU_GEMV_MAX_M):
+        """``max_tokens``: draft tokens per verify at most; ``step_rows``:
+        decode rows (plain and verify) a step carries at most where drafts
+        are added: a step of up to ``CPU_GEMV_MAX_M`` rows reads each weight
+        once in the GEMV, more take the prefill GEMM (on 2 cores, 4 sequences
+        with drafts of 7 made decoding 0.7-0.9x as fast as without them)."""
         self.drafter = drafter
         self.max_tokens = max_tokens
+        self.step_rows = step_rows
         self.counters = counters
         self._logged: set[str] = set()
         # Every counter listed from the start: a dashboard sees each reason and position at 0.
@@ -87,23 +107,38 @@ class Speculation:
 
     def plan(self, decoding: Sequence, budget: int) -> int:
         """Set ``draft`` on each of ``decoding`` that gets a verify this step
-        (blocks reserved for it) within ``budget`` rows; return the rows the
-        drafts took beyond one per sequence."""
-        used = 0
+        (blocks reserved for it); return the rows the drafts took beyond one
+        per sequence. Draft rows are at most ``budget`` and keep the step's
+        decode rows within ``step_rows``, shared out one row per sequence in
+        turn (a draft's first tokens are the likeliest to be accepted)."""
+        drafts = []
+        spare = min(budget, self.step_rows - len(decoding))
         for seq in decoding:
             seq.draft = []
-            draft = self.drafter.propose(seq)
             # The last emitted token is the verify's own: a draft never runs past max_tokens or the context.
             room = min(self.max_tokens, seq.max_tokens - len(seq.generated) - 1,
                        seq.cache.max_tokens - seq.cache.length - 1)
-            draft = draft[:max(0, room)]
-            if not draft:
+            if room < 1 or spare < 1:
                 continue
-            if len(draft) > budget - used:
-                self.skip("budget", f"the step's {budget} rows are taken")
-                draft = draft[:budget - used]
-                if not draft:
-                    continue
+            if getattr(self.drafter, "costly", False):  # a draft model: no tokens past the sequence's share
+                draft = self._propose(seq, min(room, -(-spare // len(decoding))))
+            else:
+                draft = self._propose(seq)
+            if draft[:room]:
+                drafts.append((seq, draft[:room]))
+        shares = [0] * len(drafts)
+        while spare > 0 and any(n < len(d) for n, (_, d) in zip(shares, drafts)):
+            for i, (_, draft) in enumerate(drafts):
+                if spare > 0 and shares[i] < len(draft):
+                    shares[i] += 1
+                    spare -= 1
+        used = 0
+        for (seq, draft), share in zip(drafts, shares):
+            if share == 0:
+                self.skip("budget", f"a step carries at most {self.step_rows} decode rows and "
+                                    f"{len(decoding)} sequences are decoding")
+                continue
+            draft = draft[:share]
             try:
                 if armed("verify"):
                     fault_point("verify", subject=seq.tokens)
@@ -118,6 +153,16 @@ class Speculation:
             seq.draft = draft
             used += len(draft)
         return used
+
+    def _propose(self, seq, limit: int | None = None) -> list[int]:
+        """The drafter's draft, or none where drafting runs out of memory (counted)."""
+        try:
+            return self.drafter.propose(seq) if limit is None else self.drafter.propose(seq, limit)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            self.skip("out_of_memory", f"drafting: {describe(e)}")
+            return []
 
     def skip(self, reason: str, why: str) -> None:
         self.counters[f"spec_skipped_{reason}"] += 1

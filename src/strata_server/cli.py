@@ -62,10 +62,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="first layer of each stage after the first, e.g. 9 or 6,12; or auto (the default)")
     g.add_argument("--rank-timeout", dest="rank_timeout_s", type=float, default=120.0, metavar="SECONDS",
                    help="under torchrun (one stage per rank): a rank silent this long ends the job (default 120)")
-    g.add_argument("--spec", default="off", choices=["off", "suffix"],
+    g.add_argument("--spec", default="off", choices=["off", "suffix", "draft"],
                    help="speculative decoding: suffix drafts tokens by looking the conversation's last tokens up "
-                        "in its own earlier tokens (no model memory); several are checked in one forward, and the "
-                        "output is the same as without it (default off)")
+                        "in its own earlier tokens (no model memory); draft runs --draft-model a few tokens ahead; "
+                        "several are checked in one forward, and the output is the same as without it (default off)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="with --spec draft: a GGUF sharing the model's vocabulary (a smaller or lower-bit one)")
     g.add_argument("--spec-tokens", type=_positive_int, default=7,
                    help="draft tokens checked per step at most, 1-15 (default 7)")
     c = p.add_argument_group("conversation cache")
@@ -136,7 +138,7 @@ SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
                     "presence_penalty", "frequency_penalty", "seed", "stop")
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "parallel", "kv_memory_mib",
                   "conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices",
-                  "layer_split", "rank_timeout_s", "spec", "spec_tokens")
+                  "layer_split", "rank_timeout_s", "spec", "spec_tokens", "draft_model")
 
 
 def _fault(text: str) -> str:

@@ -12,6 +12,8 @@ and the fault tests that verifies were skipped, counted, and nothing failed.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -23,7 +25,7 @@ from strata_runtime.generation import decode_step, prefill
 from strata_runtime.kv_pool import KVPool
 from strata_runtime.sampling import SamplingParams
 from strata_runtime.scheduler import Scheduler
-from strata_runtime.speculation import make_drafter
+from strata_runtime.speculation import make_drafter, spare_states
 from strata_runtime.testing import inject_fault
 from tiny_hybrid import HybridShape, write_hybrid_model
 from tiny_models import Shape, write_tiny_model
@@ -231,16 +233,63 @@ def test_tiny_models_of_every_family_alone_and_in_batches(tmp_path, arch, shape)
     _assert_speculated(spec)
 
 
-def test_a_hybrid_model_does_not_speculate_and_says_why(tmp_path):
-    """Recurrent state cannot be cut back to a draft position yet: the
-    engine runs without a drafter, says so in props, and serves as usual."""
+class OracleDrafter:
+    """Drafts what plain decoding will write (``answers``: each prompt with
+    its greedy continuation), every ``wrong``-th position of a draft made
+    wrong: a verify that accepts some of its draft and rejects the rest.
+    (A tiny random model writes no text the suffix drafter could match.)"""
+
+    def __init__(self, answers: list[list[int]], wrong: int = 3, length: int = 5):
+        self.answers, self.wrong, self.length = answers, wrong, length
+
+    def propose(self, sequence) -> list[int]:
+        tokens = list(sequence.tokens)
+        for answer in self.answers:
+            if answer[:len(tokens)] == tokens:
+                draft = answer[len(tokens):len(tokens) + self.length]
+                return [t if (len(tokens) + i) % self.wrong else (t + 1) % 300 for i, t in enumerate(draft)]
+        return []
+
+    def feedback(self, sequence, proposed: int, accepted: int) -> None:
+        pass
+
+    def release(self, sequence) -> None:
+        pass
+
+
+@pytest.mark.parametrize("faults", [False, True])
+def test_a_hybrid_model_verifies_through_spare_recurrent_slots(tmp_path, faults):
+    """Qwen3-Next style (Gated DeltaNet layers and attention, experts): a
+    step with verifies writes every sequence's recurrent state to spare
+    slots and adopts the accepted position's; alone, in batches (verifies
+    beside plain decode rows and prompt chunks) and with out-of-memory at
+    every verify fault point at random (the step runs again without drafts):
+    the output of plain decoding, and every spare slot back in the pool."""
     path = write_hybrid_model(tmp_path / "hybrid.gguf", HybridShape(), 11)
-    spec, plain = _pair(path, dtype="float32", context_length=256)
-    state = spec.props()["speculative"]
-    assert state["requested"] == "suffix" and state["mode"] == "off" and "recurrent" in state["refusal"]
-    prompt = _tiny_prompts(spec)[0]
-    assert spec.generate(prompt, temperature=0, max_tokens=40).tokens == \
-        plain.generate(prompt, temperature=0, max_tokens=40).tokens
+    engine = strata_runtime.load(path, dtype="float32", progress=False, conversation_cache_mib=0,
+                                 context_length=256, parallel=3, spec="suffix")
+    assert engine.props()["speculative"]["mode"] == "suffix"
+    assert engine.scheduler.pool.groups[-1].n_blocks == 3 + spare_states("suffix", engine.model.state_spec(), 3)
+    prompts = _tiny_prompts(engine)
+    plain = _scheduler(engine, 3, False, running=3)
+    alone = [_run(plain, [p], 60)[0] for p in prompts]
+    model = engine.model
+    pool = KVPool.for_sequences(engine.config.kv, model.state_spec(), model.placement, 3, 256,
+                                model.compute_path.kv_float, spare_states=11)
+    spec = Scheduler(model, pool, 256, engine.tokenizer.end_of_generation, max_running=3,
+                     drafter=OracleDrafter([p + a[0] for p, a in zip(prompts, alone)]), spec_tokens=5)
+    points = ("verify", "verify_copy", "verify_forward") if faults else ()
+    with contextlib.ExitStack() as stack:
+        armed = [stack.enter_context(inject_fault(p, rate=0.3, seed=i)) for i, p in enumerate(points)]
+        assert [_run(spec, [p], 60)[0] for p in prompts] == alone
+        assert _run(spec, prompts, 60) == alone
+    counts = spec.counters
+    assert 0 < counts["spec_accepted_tokens"] < counts["spec_draft_tokens"], counts
+    assert all(f.fired for f in armed) and counts["failed_steps"] == 0
+    # One skip per verify planned while ``verify`` fired; per verify in the step where the others fired.
+    assert counts["spec_skipped_out_of_memory"] >= sum(f.fired for f in armed)
+    held = sum(r.cache.held_blocks for r in spec.residents)
+    assert sum(pool.free_blocks()) + held == pool.total_blocks()
 
 
 def test_sampled_tokens_are_distributed_as_without_speculation(tmp_path):

@@ -97,15 +97,24 @@ class Batch:
         sequences' slots (one row each), then each prompt chunk's run."""
         if rows != self.rows:
             raise ValueError(f"the step has {self.rows} rows, the layer got {rows}")
-        if self.decode_rows != self.decoding:
-            raise ValueError("a verify cannot step a recurrent layer: its state holds one position, not one per row")
         store = self.caches[0].stores[layer]
         slots = [cache.recurrent_slot(layer) for cache in self.caches]
         d = self.decoding
+        firsts = [sum(self.counts[:i]) for i in range(len(self.caches))]
+        if any(c.shadow is not None for c in self.caches):
+            # A speculative step: every sequence's state goes to its spare slots (``KVCache.shadow``).
+            if not all(c.shadow is not None for c in self.caches):
+                raise ValueError("a step that writes recurrent state to spare slots writes all of it there")
+            chains = [(at, n, slot, c.shadow[:n]) for at, n, slot, c in
+                      zip(firsts[:d], self.counts[:d], slots[:d], self.caches[:d])]
+            chunks = [(at, n, c.shadow[0]) for at, n, c in zip(firsts[d:], self.counts[d:], self.caches[d:])]
+            copies = [(slot, c.shadow[0]) for slot, c in zip(slots[d:], self.caches[d:])]
+            return RecurrentRuns(store, None, chunks, chains, copies)
+        if self.decode_rows != self.decoding:
+            raise ValueError("a verify steps a recurrent layer through spare slots (KVCache.shadow): none were given")
         decode = torch.tensor(slots[:d], device=store.device) if d else None
-        starts = [d + sum(self.counts[d:i]) for i in range(d, len(self.caches))]
         return RecurrentRuns(store, decode, [(at, n, slot) for at, n, slot in
-                                             zip(starts, self.counts[d:], slots[d:])])
+                                             zip(firsts[d:], self.counts[d:], slots[d:])])
 
     def decode_view(self, layer: int, positions: torch.Tensor) -> tuple[KVStore, int | None, BlockTables] | None:
         """Where every row is a decode row: ``layer``'s store, window and

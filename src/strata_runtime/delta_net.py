@@ -27,6 +27,7 @@ from strata_kernels.recurrent import causal_conv, causal_conv_step, delta_rule_p
 from .backend import Backend
 from .errors import ModelFileError
 from .layers import Linear, Projections
+from .testing import armed, fault_point
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ class GatedDeltaNet(nn.Module):
         self.eps = eps
         self.kernels = backend.attention  # the decode step's: compiled CPU kernels, Triton on CUDA, else torch
 
+    @staticmethod
+    def _slot(slot: int, device) -> torch.Tensor:
+        return torch.tensor([slot], device=device)
+
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
@@ -100,6 +105,14 @@ class GatedDeltaNet(nn.Module):
         d = 0 if runs.decode is None else runs.decode.shape[0]
         if d:
             mixed[:d] = causal_conv_step(qkv[:d], self.conv_weight, runs.store.conv, runs.decode, self.kernels)
+        conv = runs.store.conv
+        for first, n, source, slots in runs.chains:  # row by row, each from the last one's state
+            for j, slot in enumerate(slots):
+                conv[slot] = conv[source if j == 0 else slots[j - 1]]
+                mixed[first + j:first + j + 1] = causal_conv_step(qkv[first + j:first + j + 1], self.conv_weight,
+                                                                  conv, self._slot(slot, conv.device), self.kernels)
+        for source, slot in runs.copies:
+            conv[slot] = conv[source]
         for first, n, slot in runs.prefill:
             mixed[first:first + n] = causal_conv(qkv[first:first + n], self.conv_weight, runs.store.conv[slot])
         mixed = F.silu(mixed)
@@ -115,6 +128,17 @@ class GatedDeltaNet(nn.Module):
         if d:
             out[:d] = delta_rule_step(q[:d], k[:d], v[:d], g[:d], beta[:d], runs.store.state, runs.decode,
                                       self.kernels)
+        state = runs.store.state
+        for first, n, source, slots in runs.chains:
+            if armed("verify_copy"):
+                fault_point("verify_copy", subject=slots)
+            for j, slot in enumerate(slots):
+                state[slot] = state[source if j == 0 else slots[j - 1]]
+                row = slice(first + j, first + j + 1)
+                out[row] = delta_rule_step(q[row], k[row], v[row], g[row], beta[row], state,
+                                           self._slot(slot, state.device), self.kernels)
+        for source, slot in runs.copies:
+            state[slot] = state[source]
         for first, n, slot in runs.prefill:
             rows = slice(first, first + n)
             out[rows] = delta_rule_prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], runs.store.state[slot],

@@ -28,7 +28,7 @@ from .placement import Placement
 from .memory import MiB, HostMemory
 from .sampling import SamplingParams
 from .scheduler import Generation, Scheduler
-from .speculation import check_settings, drafter_for
+from .speculation import check_settings, drafter_for, spare_states
 from .staging import StagingPool
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
@@ -279,14 +279,15 @@ class Engine:
             cache = self.new_cache(self.context_length)  # the ranks' twin of this cache is the one they step
             return Scheduler(self.model, cache.pool, self.context_length, self.tokenizer.end_of_generation,
                              max_running=1, conversations=self.conversations, max_residents=1, private=cache,
-                             **self._speculation(config, 1))
+                             **self._speculation(config, 1, private=True))
         pool = KVPool.for_sequences(config.kv, spec, self.model.placement, sequences, self.context_length,
-                                    self.model.compute_path.kv_float)
+                                    self.model.compute_path.kv_float,
+                                    spare_states=spare_states(config.spec, spec, parallel))
         return Scheduler(self.model, pool, self.context_length, self.tokenizer.end_of_generation,
                          max_running=parallel, conversations=self.conversations, max_residents=parallel,
                          **self._speculation(config, parallel))
 
-    def _speculation(self, config: EngineConfig, sequences: int) -> dict[str, Any]:
+    def _speculation(self, config: EngineConfig, sequences: int, private: bool = False) -> dict[str, Any]:
         """The scheduler's drafter where this model can speculate (else why
         not, in ``spec_refusal``); a draft model's KV for ``sequences`` is reserved here."""
         from .draft_model import DraftModelDrafter
@@ -297,7 +298,7 @@ class Engine:
                                           config.progress)
 
         drafter, self.spec_refusal = drafter_for(config.spec, config.spec_tokens, self.model.state_spec(),
-                                                 load_draft_model)
+                                                 load_draft_model, private)
         return {} if drafter is None else {"drafter": drafter, "spec_tokens": config.spec_tokens}
 
     def stats(self) -> dict[str, Any]:

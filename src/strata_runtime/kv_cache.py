@@ -38,11 +38,18 @@ class RecurrentRuns:
     """The rows of a step as a recurrent layer meets them: rows
     ``0..len(decode)-1`` are one token each of the sequences whose states
     are in slots ``decode`` (a tensor on the store's device, or None), then
-    ``prefill`` runs ``(first row, rows, slot)`` of one sequence each."""
+    ``chains`` ``(first row, rows, source slot, slots)``: a sequence's rows
+    stepped one at a time, row ``j`` from the state in ``slots[j - 1]``
+    (``source`` for row 0) into ``slots[j]`` (a verify: the state after
+    every draft position kept), then ``prefill`` runs ``(first row, rows,
+    slot)`` of one sequence each, each from the state in ``copies``'s source
+    for its slot where one is listed (``(source, slot)``), else in place."""
 
     store: RecurrentStore
     decode: torch.Tensor | None
     prefill: list[tuple[int, int, int]]
+    chains: list[tuple[int, int, int, list[int]]] = ()
+    copies: list[tuple[int, int]] = ()
 
 
 class KVCache:
@@ -102,6 +109,11 @@ class KVCache:
         # snapshot are copied through this link (``ranks.RankPipeline``).
         self.remote = None
         self.remote_id: int | None = None  # this cache's id on the other ranks
+        # A speculative step's spare recurrent slots (``speculation``): the
+        # step writes this sequence's recurrent state there, one slot per
+        # row of a decode or verify (one for a prompt chunk), and ``adopt``
+        # makes one of them the sequence's after the step. None otherwise.
+        self.shadow: list[int] | None = None
 
     @classmethod
     def for_placement(cls, fmt: str, spec: Sequence[LayerState], placement: Placement, max_tokens: int,
@@ -129,7 +141,9 @@ class KVCache:
             slots = group.block_size  # the one block is the whole ring
         else:
             slots = self.max_tokens if group.ring_blocks is None else group.ring_blocks * group.block_size
-        return slots if slots >= self.max_tokens else slots - DRAFT_MARGIN
+        if self.windows[layer] is None or slots >= self.max_tokens:  # full attention, a recurrent slot, no wrap
+            return slots
+        return slots - DRAFT_MARGIN
 
     def blocks_needed(self, n: int) -> list[int]:
         """More blocks, per group, before ``n`` more positions can be written."""
@@ -307,6 +321,24 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    def adopt(self, index: int, length: int) -> None:
+        """After a step that wrote this sequence's recurrent state into
+        ``shadow``: slot ``shadow[index]`` (the state after ``length``
+        positions) becomes the sequence's, the others and its old slot go back."""
+        g = self.pool.layer_group[self.recurrent_layers[0]]
+        chosen = self.shadow[index]
+        self.pool.release(g, [*self.blocks[g], *(s for s in self.shadow if s != chosen)])
+        self.blocks[g] = [chosen]
+        self._tables[g] = None
+        self.shadow = None
+        self.length = length
+
+    def drop_shadow(self) -> None:
+        """Give a step's spare recurrent slots back unused (the step did not run, or failed)."""
+        if self.shadow is not None:
+            self.pool.release(self.pool.layer_group[self.recurrent_layers[0]], self.shadow)
+            self.shadow = None
 
     def copy_prefix(self, source: "KVCache", n: int) -> bool:
         """Make this empty cache hold ``source``'s first ``n`` positions (another

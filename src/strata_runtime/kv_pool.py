@@ -85,13 +85,14 @@ class KVPool:
     @classmethod
     def for_sequences(cls, fmt: str, spec: Sequence[LayerState], placement: Placement, sequences: float,
                       context: int, activations: torch.dtype, block_size: int = BLOCK_SIZE,
-                      allocate: bool = True) -> "KVPool":
+                      allocate: bool = True, spare_states: int = 0) -> "KVPool":
         """Room for ``sequences`` (may be fractional) sequences of ``context``
-        tokens each, in blocks of ``block_size``."""
+        tokens each, in blocks of ``block_size``; ``spare_states`` more
+        recurrent slots (a speculative step writes recurrent state there)."""
         groups = {}
         for layer in spec:
             if isinstance(layer, RecurrentState):  # a slot per sequence
-                groups[layer.group] = (1, max(1, math.ceil(sequences)), 1)
+                groups[layer.group] = (1, max(1, math.ceil(sequences)) + spare_states, 1)
                 continue
             ring = None if layer.window is None else -(-layer.capacity(context) // block_size)
             per_sequence = ring if ring is not None else -(-context // block_size)

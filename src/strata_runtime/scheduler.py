@@ -212,6 +212,8 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(batch_seqs))
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(n for s, n in zip(batch_seqs, counts) if s.state == PREFILLING)
+        if self.speculation is not None and not self.speculation.shadow(batch_seqs):
+            counts = [1 if s.state == DECODING else n for s, n in zip(batch_seqs, counts)]
         try:
             starts = [s.cache.length for s in batch_seqs]
             try:
@@ -229,6 +231,8 @@ class Scheduler:
             at = 0
             for seq, start in zip(batch_seqs, starts):
                 n = 1 + len(seq.draft)
+                if seq.cache.shadow is not None and not seq.draft:  # its state went to a spare slot
+                    seq.cache.adopt(0, seq.cache.length)
                 if seq.draft:
                     self.speculation.accept(seq, logits[at:at + n], self._emit)
                     self._checkpoint(seq, start)
@@ -274,7 +278,9 @@ class Scheduler:
         over older ones; recurrent states in place) while the cache still
         counts what they overwrote, so no prefix of it can be trusted."""
         for seq in seqs:
+            seq.draft = []
             if seq.cache is not None:
+                seq.cache.drop_shadow()
                 if seq.cache is self.private:
                     seq.cache.reset()
                 else:

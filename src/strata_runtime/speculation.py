@@ -15,8 +15,11 @@ token) gives the same tokens as without speculation.
 Afterwards the sequence is cut back to what was accepted: full-attention
 layers by length; sliding rings are sized so the rejected positions only
 overwrote slots outside every live window (``state.DRAFT_MARGIN``).
-Recurrent state cannot be cut back (it would need a slot per draft
-position): models with recurrent layers do not speculate yet.
+Recurrent state holds one position and cannot be cut back: in a step that
+carries a verify, every sequence's recurrent state is written to spare
+slots reserved at load (``KVCache.shadow``: a verify's rows one slot each,
+the state after every draft position), and afterwards the slot of the
+accepted position becomes the sequence's (``KVCache.adopt``), no copy made.
 
 A verify is an optimization: where it cannot get its rows (the step's row
 budget, the KV pool's blocks, an out-of-memory at the ``verify`` fault point
@@ -68,16 +71,27 @@ def make_drafter(mode: str, tokens: int, load_draft_model: Callable[[], object] 
     return SuffixDrafter(max_draft=tokens) if mode == "suffix" else load_draft_model()
 
 
-def drafter_for(mode: str, tokens: int, spec: Sequence[LayerState], load_draft_model=None):
+def drafter_for(mode: str, tokens: int, spec: Sequence[LayerState], load_draft_model=None,
+                private: bool = False):
     """``(drafter, refusal)``: the drafter of ``mode`` for a model whose
-    state is ``spec``, or None and why it cannot speculate (None: "off")."""
+    state is ``spec``, or None and why it cannot speculate (None: "off").
+    ``private``: one cache stepped in turn (a split across processes), whose
+    pool has no spare recurrent slots."""
     if mode == "off":
         return None, None
-    if any(isinstance(layer, RecurrentState) for layer in spec):
-        refusal = "the model has recurrent layers, whose state cannot be cut back to an accepted draft position yet"
+    if private and any(isinstance(layer, RecurrentState) for layer in spec):
+        refusal = "a split across processes keeps no spare recurrent slots for the verifies' states"
         log.warning("speculative decoding is off: %s", refusal)
         return None, refusal
     return make_drafter(mode, tokens, load_draft_model), None
+
+
+def spare_states(mode: str, spec: Sequence[LayerState], parallel: int) -> int:
+    """Recurrent slots a pool keeps beyond its sequences' for speculative
+    steps: one per decode row a step carries, one per prompt chunk beside them."""
+    if mode == "off" or not any(isinstance(layer, RecurrentState) for layer in spec):
+        return 0
+    return CPU_GEMV_MAX_M + parallel
 
 
 class Speculation:
@@ -171,13 +185,35 @@ class Speculation:
             log.warning("speculation: a verify was skipped (%s: %s); the sequence decodes one token "
                         "(counted as spec_skipped_%s, logged once)", reason, why, reason)
 
+    def shadow(self, seqs: Sequence) -> bool:
+        """For a step carrying verifies over a model with recurrent layers:
+        spare slots for every sequence's recurrent state (a slot per row of
+        a decode or verify, one for a prompt chunk), or, where the pool has
+        too few free, no verify this step (counted). Whether drafts remain."""
+        drafting = [s for s in seqs if s.draft]
+        if not drafting or not seqs[0].cache.recurrent_layers:
+            return bool(drafting)
+        cache = seqs[0].cache
+        group = cache.pool.layer_group[cache.recurrent_layers[0]]
+        need = [1 + len(s.draft) for s in seqs]
+        if sum(need) > len(cache.pool.groups[group].free):
+            for seq in drafting:
+                seq.draft = []
+                self.skip("kv_blocks", "too few spare recurrent slots for the verifies' states")
+            return False
+        for seq, n in zip(seqs, need):
+            seq.cache.shadow = cache.pool.allocate(group, n)
+        return True
+
     def drop(self, seqs: Sequence, error: BaseException) -> bool:
         """After a step carrying verifies failed with ``error``: whether it was
         out of memory (then every draft is dropped, counted, and the step can
-        run again without them)."""
+        run again without them: nothing it wrote is read before it is
+        written again, and recurrent state went to spare slots, given back here)."""
         if not any(s.draft for s in seqs) or not is_out_of_memory(error):
             return False
         for seq in seqs:
+            seq.cache.drop_shadow()
             if seq.draft:
                 seq.draft = []
                 self.skip("out_of_memory", describe(error))
@@ -201,7 +237,9 @@ class Speculation:
         keep = base
         while keep < written and keep < len(seq.tokens) and seq.tokens[keep] == draft[keep - base]:
             keep += 1
-        if seq.cache.trim(keep) != keep:
+        if seq.cache.shadow is not None:
+            seq.cache.adopt(keep - base, keep)  # the state after the last kept row
+        elif seq.cache.trim(keep) != keep:
             raise RuntimeError(f"a verify's cache could not be cut back to {keep} positions")
         self.drafter.feedback(seq, len(draft), accepted)
         self.counters["spec_drafts"] += 1

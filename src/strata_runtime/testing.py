@@ -4,7 +4,8 @@ Points: ``park_copy``, ``restore_copy``, ``checkpoint_copy`` (the copies
 between the device cache and the staging pool), ``recurrent_copy`` (within
 any of those, the part holding recurrent layers' state), ``staging_lease``
 (asking the pool for pages), ``verify`` (a decoding sequence's verify of
-its draft, as the step is planned; subject: its tokens), ``verify_forward``
+its draft, as the step is planned; subject: its tokens), ``verify_copy`` (a recurrent layer copying
+a verify's state from slot to slot; subject: the slots), ``verify_forward``
 (after the forward of a step carrying verifies, every position written:
 what an out-of-memory inside it leaves), ``forward`` (a scheduler step's forward; its
 subject is the token lists of the step's sequences, for ``match``) and
@@ -34,7 +35,7 @@ import torch
 # The conversation cache's:
 OPTIMIZATION_POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "recurrent_copy", "staging_lease")
 # Speculative decoding's:
-SPECULATION_POINTS = ("verify", "verify_forward")
+SPECULATION_POINTS = ("verify", "verify_copy", "verify_forward")
 POINTS = (*OPTIMIZATION_POINTS, *SPECULATION_POINTS, "forward", "layer")
 KINDS = ("oom", "device_error", "hang", "kill")
 

@@ -24,7 +24,7 @@ from strata_runtime.batch import Batch
 from strata_runtime.generation import decode_step, prefill
 from strata_runtime.kv_pool import KVPool
 from strata_runtime.sampling import SamplingParams
-from strata_runtime.scheduler import Scheduler
+from strata_runtime.scheduler import Generation, Scheduler
 from strata_runtime.speculation import make_drafter, spare_states
 from strata_runtime.testing import inject_fault
 from tiny_hybrid import HybridShape, write_hybrid_model
@@ -103,9 +103,16 @@ def test_seeded_sampling_and_stop_strings_are_as_without_speculation(smollm2_pai
         a = spec.chat(QUOTE, temperature=0.7, seed=seed, max_tokens=64)
         b = plain.chat(QUOTE, temperature=0.7, seed=seed, max_tokens=64)
         assert a.tokens == b.tokens and a.text == b.text
-    a = spec.chat(QUOTE, temperature=0, max_tokens=96, stop=["self.total"])
-    b = plain.chat(QUOTE, temperature=0, max_tokens=96, stop=["self.total"])
+    a = spec.chat(QUOTE, temperature=0, max_tokens=96, stop=["Output"])
+    b = plain.chat(QUOTE, temperature=0, max_tokens=96, stop=["Output"])
     assert (a.tokens, a.text, a.finish_reason) == (b.tokens, b.text, b.finish_reason)
+    assert b.finish_reason == "stop"
+    # max_tokens just past the stop string: a verify may yield both in one step; the stop string wins, as it would.
+    for extra in (0, 1, 3):
+        n = len(b.tokens) + extra
+        a = spec.chat(QUOTE, temperature=0, max_tokens=n, stop=["Output"])
+        c = plain.chat(QUOTE, temperature=0, max_tokens=n, stop=["Output"])
+        assert (a.tokens, a.text, a.finish_reason) == (c.tokens, c.text, c.finish_reason), extra
     _assert_speculated(spec, before)
 
 
@@ -257,14 +264,16 @@ class OracleDrafter:
         pass
 
 
-@pytest.mark.parametrize("faults", [False, True])
+@pytest.mark.parametrize("faults", [(), (("verify", 0.3), ("verify_copy", 0.3), ("verify_forward", 0.3)),
+                                    (("verify_copy", 1.0),), (("verify_forward", 1.0),)])
 def test_a_hybrid_model_verifies_through_spare_recurrent_slots(tmp_path, faults):
     """Qwen3-Next style (Gated DeltaNet layers and attention, experts): a
     step with verifies writes every sequence's recurrent state to spare
     slots and adopts the accepted position's; alone, in batches (verifies
     beside plain decode rows and prompt chunks) and with out-of-memory at
-    every verify fault point at random (the step runs again without drafts):
-    the output of plain decoding, and every spare slot back in the pool."""
+    every verify fault point at random, and always in the state copy or the
+    forward (each such step runs again without drafts): the output of plain
+    decoding, and every spare slot back in the pool."""
     path = write_hybrid_model(tmp_path / "hybrid.gguf", HybridShape(), 11)
     engine = strata_runtime.load(path, dtype="float32", progress=False, conversation_cache_mib=0,
                                  context_length=256, parallel=3, spec="suffix")
@@ -278,13 +287,15 @@ def test_a_hybrid_model_verifies_through_spare_recurrent_slots(tmp_path, faults)
                                 model.compute_path.kv_float, spare_states=11)
     spec = Scheduler(model, pool, 256, engine.tokenizer.end_of_generation, max_running=3,
                      drafter=OracleDrafter([p + a[0] for p, a in zip(prompts, alone)]), spec_tokens=5)
-    points = ("verify", "verify_copy", "verify_forward") if faults else ()
     with contextlib.ExitStack() as stack:
-        armed = [stack.enter_context(inject_fault(p, rate=0.3, seed=i)) for i, p in enumerate(points)]
+        armed = [stack.enter_context(inject_fault(p, rate=rate, seed=i)) for i, (p, rate) in enumerate(faults)]
         assert [_run(spec, [p], 60)[0] for p in prompts] == alone
         assert _run(spec, prompts, 60) == alone
     counts = spec.counters
-    assert 0 < counts["spec_accepted_tokens"] < counts["spec_draft_tokens"], counts
+    if any(rate == 1.0 for _, rate in faults):  # no verify got through
+        assert counts["spec_drafts"] == 0 and counts["spec_skipped_out_of_memory"] > 0, counts
+    else:
+        assert 0 < counts["spec_accepted_tokens"] < counts["spec_draft_tokens"], counts
     assert all(f.fired for f in armed) and counts["failed_steps"] == 0
     # One skip per verify planned while ``verify`` fired; per verify in the step where the others fired.
     assert counts["spec_skipped_out_of_memory"] >= sum(f.fired for f in armed)
@@ -358,3 +369,18 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="draft_model is used with spec='draft' only"):
         strata_runtime.EngineConfig(spec="suffix", draft_model="small.gguf")
     assert SamplingParams(temperature=0).greedy
+
+
+def test_tokens_after_a_stop_string_are_dropped_and_the_stop_string_ends_the_answer():
+    """A verify yields several tokens a step: the ones after a stop string go,
+    and the answer ends "stop" even where the same step reached max_tokens
+    (decoding one token a step, the stop string would have come first)."""
+    seq = Generation(0, [1, 2], SamplingParams(), sampler=None, max_tokens=3, tokens=[1, 2, 3, 4, 5],
+                     generated=[3, 4, 5])
+    seq.cancel("length")
+    seq.stop(unused=2)
+    assert (seq.generated, seq.tokens, seq.finish_reason, seq.done) == ([3], [1, 2, 3], "stop", True)
+    seq = Generation(1, [1], SamplingParams(), sampler=None, max_tokens=9, tokens=[1, 7], generated=[7])
+    seq.cancel("length")
+    seq.stop()  # nothing after the stop string: whatever ended the sequence stands
+    assert (seq.generated, seq.finish_reason) == ([7], "length")

@@ -103,14 +103,15 @@ class Generation:
         """End the sequence at a stop string; the last ``unused`` generated
         tokens came after it (a verify yields several tokens a step) and are
         dropped, with their positions in the cache, as if never generated."""
-        if self.state == FINISHED:
-            return
         if unused > 0:
             del self.generated[-unused:]
             del self.tokens[-unused:]
             self.events = []
             if self.cache is not None and self.cache.length > len(self.tokens):
                 self.cache.trim(len(self.tokens))
+            # Decoding one token a step, the stop string would have ended it
+            # first, whatever ended the step that yielded the dropped tokens.
+            self.finish_reason, self.state = "stop", FINISHED
         self.cancel("stop")
 
     def cancel(self, reason: str = "cancelled") -> None:

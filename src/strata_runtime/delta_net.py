@@ -92,10 +92,6 @@ class GatedDeltaNet(nn.Module):
         self.eps = eps
         self.kernels = backend.attention  # the decode step's: compiled CPU kernels, Triton on CUDA, else torch
 
-    @staticmethod
-    def _slot(slot: int, device) -> torch.Tensor:
-        return torch.tensor([slot], device=device)
-
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
@@ -106,11 +102,13 @@ class GatedDeltaNet(nn.Module):
         if d:
             mixed[:d] = causal_conv_step(qkv[:d], self.conv_weight, runs.store.conv, runs.decode, self.kernels)
         conv = runs.store.conv
-        for first, n, source, slots in runs.chains:  # row by row, each from the last one's state
+        # A chain's slots as an index on the store's device, made once for both halves of the layer.
+        chain_slots = [torch.tensor(slots, device=conv.device) for _, _, _, slots in runs.chains]
+        for (first, n, source, slots), index in zip(runs.chains, chain_slots):  # row by row, each from the last
             for j, slot in enumerate(slots):
                 conv[slot] = conv[source if j == 0 else slots[j - 1]]
                 mixed[first + j:first + j + 1] = causal_conv_step(qkv[first + j:first + j + 1], self.conv_weight,
-                                                                  conv, self._slot(slot, conv.device), self.kernels)
+                                                                  conv, index[j:j + 1], self.kernels)
         for source, slot in runs.copies:
             conv[slot] = conv[source]
         for first, n, slot in runs.prefill:
@@ -129,14 +127,14 @@ class GatedDeltaNet(nn.Module):
             out[:d] = delta_rule_step(q[:d], k[:d], v[:d], g[:d], beta[:d], runs.store.state, runs.decode,
                                       self.kernels)
         state = runs.store.state
-        for first, n, source, slots in runs.chains:
+        for (first, n, source, slots), index in zip(runs.chains, chain_slots):
             if armed("verify_copy"):
                 fault_point("verify_copy", subject=slots)
             for j, slot in enumerate(slots):
                 state[slot] = state[source if j == 0 else slots[j - 1]]
                 row = slice(first + j, first + j + 1)
-                out[row] = delta_rule_step(q[row], k[row], v[row], g[row], beta[row], state,
-                                           self._slot(slot, state.device), self.kernels)
+                out[row] = delta_rule_step(q[row], k[row], v[row], g[row], beta[row], state, index[j:j + 1],
+                                           self.kernels)
         for source, slot in runs.copies:
             state[slot] = state[source]
         for first, n, slot in runs.prefill:

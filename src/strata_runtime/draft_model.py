@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 
 from .conversation_cache import common_prefix
@@ -33,10 +34,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class _DraftState:
     """One sequence's draft cache. Invariant: ``cache`` holds the draft
-    model's state of ``held[:cache.length]``."""
+    model's state of ``held[:cache.length]``; ``rate`` is the running
+    acceptance of its drafts (exponentially weighted)."""
 
     cache: KVCache
     held: tuple[int, ...] = ()
+    rate: float = 1.0
 
 
 class DraftModelDrafter:
@@ -57,7 +60,6 @@ class DraftModelDrafter:
         self.max_draft = max_draft
         self.path = path
         self._states: dict[int, _DraftState] = {}
-        self._rates: dict[int, float] = {}
 
     @classmethod
     def load(cls, path: str | Path, target: Tokenizer, device: str, dtype: str, kv: str, sequences: int,
@@ -88,14 +90,14 @@ class DraftModelDrafter:
 
     def propose(self, sequence, limit: int | None = None) -> list[int]:
         tokens = sequence.tokens
-        k = min(self.max_draft, max(1, round(self.max_draft * self._rates.get(sequence.id, 1.0))))
+        state = self._states.get(sequence.id)
+        if state is None:
+            state = self._states[sequence.id] = _DraftState(KVCache.on_pool(self.pool, self.context_length))
+        k = min(self.max_draft, max(1, round(self.max_draft * state.rate)))
         if limit is not None:
             k = min(k, limit)
         if k < 1 or len(tokens) + k > self.context_length:
             return []
-        state = self._states.get(sequence.id)
-        if state is None:
-            state = self._states[sequence.id] = _DraftState(KVCache.on_pool(self.pool, self.context_length))
         cache = state.cache
         # What the cache holds that the sequence still has (at least one token to read: its logits draft).
         keep = min(common_prefix(state.held[:cache.length], tokens), len(tokens) - 1)
@@ -114,15 +116,14 @@ class DraftModelDrafter:
         return draft
 
     def feedback(self, sequence, proposed: int, accepted: int) -> None:
-        if proposed > 0:
-            rate = self._rates.get(sequence.id, 1.0)
-            self._rates[sequence.id] = 0.7 * rate + 0.3 * accepted / proposed
+        state = self._states.get(sequence.id)
+        if proposed > 0 and state is not None:
+            state.rate = 0.7 * state.rate + 0.3 * accepted / proposed
 
     def release(self, sequence) -> None:
         state = self._states.pop(sequence.id, None)
         if state is not None:
             state.cache.release()
-        self._rates.pop(sequence.id, None)
 
     def describe(self) -> dict:
         return {"draft_model": str(self.path), "draft_kv_bytes": self.pool.nbytes}

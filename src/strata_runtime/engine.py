@@ -16,6 +16,7 @@ from .chat_prompt import TurnMarker, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
 from .conversation_cache import ConversationCache
 from .default_model import default_model_path
+from .draft_model import DraftModelDrafter
 from .errors import Cancelled, ContextLengthError, RequestError, RequestTypeError, StrataError
 from .generation import forward_chunks
 from .gguf_file import GGUFFile
@@ -290,15 +291,13 @@ class Engine:
     def _speculation(self, config: EngineConfig, sequences: int, private: bool = False) -> dict[str, Any]:
         """The scheduler's drafter where this model can speculate (else why
         not, in ``spec_refusal``); a draft model's KV for ``sequences`` is reserved here."""
-        from .draft_model import DraftModelDrafter
-
         def load_draft_model():
             return DraftModelDrafter.load(config.draft_model, self.tokenizer, str(self.model.device), config.dtype,
                                           config.kv, sequences, self.context_length, config.spec_tokens,
                                           config.progress)
 
         drafter, self.spec_refusal = drafter_for(config.spec, config.spec_tokens, self.model.state_spec(),
-                                                 load_draft_model, private)
+                                                 load_draft_model if config.draft_model else None, private)
         return {} if drafter is None else {"drafter": drafter, "spec_tokens": config.spec_tokens}
 
     def stats(self) -> dict[str, Any]:

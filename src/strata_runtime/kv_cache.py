@@ -58,8 +58,8 @@ class KVCache:
 
     Invariant: layer ``l`` holds positions ``max(0, length - capacity(l)) ..
     length - 1`` (a verify may have written up to ``DRAFT_MARGIN - 1``
-    positions past ``length``: garbage, overwritten before it is read), found through the sequence's table of its group's blocks
-    (``tables(l)``: position ``p`` in the ring of the blocks held, see
+    positions past ``length``: garbage, overwritten before it is read),
+    found through the sequence's table of its group's blocks (``tables(l)``: position ``p`` in the ring of the blocks held, see
     ``strata_kernels.paging``). Full-attention layers can hold ``max_tokens``
     positions (they never wrap); sliding-window layers ``window +
     PREFILL_CHUNK`` rounded up to whole blocks (fewer if ``max_tokens`` is

@@ -213,8 +213,8 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(batch_seqs))
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(n for s, n in zip(batch_seqs, counts) if s.state == PREFILLING)
-        if self.speculation is not None and not self.speculation.shadow(batch_seqs):
-            counts = [1 if s.state == DECODING else n for s, n in zip(batch_seqs, counts)]
+        if self.speculation is not None:
+            self.speculation.shadow(batch_seqs)  # may drop drafts: _forward counts a decoding sequence's rows
         try:
             starts = [s.cache.length for s in batch_seqs]
             try:
@@ -227,7 +227,6 @@ class Scheduler:
                 # again as plain decode steps.
                 for seq, start in zip(batch_seqs, starts):
                     seq.cache.length = start
-                counts = [1 if s.state == DECODING else n for s, n in zip(batch_seqs, counts)]
                 logits = self._forward(batch_seqs, counts)
             at = 0
             for seq, start in zip(batch_seqs, starts):
@@ -246,8 +245,10 @@ class Scheduler:
         self.retire()
 
     def _forward(self, seqs: list[Generation], counts: list[int]) -> torch.Tensor:
-        """The model over ``seqs``' next ``counts`` rows: logits of each
+        """The model over ``seqs``' next rows (a prompt chunk's ``counts``; a
+        decoding sequence's last token and its draft): logits of each
         sequence's last row, or of every row of a verify, in order."""
+        counts = [1 + len(s.draft) if s.state == DECODING else n for s, n in zip(seqs, counts)]
         rows: list[int] = []
         for seq, n in zip(seqs, counts):
             at = seq.cache.length

@@ -65,7 +65,7 @@ def check_settings(mode: str, tokens: int, draft_model) -> None:
 def make_drafter(mode: str, tokens: int, load_draft_model: Callable[[], object] | None = None):
     """The drafter of ``--spec MODE`` (None for "off"); "draft" calls
     ``load_draft_model`` (``draft_model.DraftModelDrafter.load`` with the engine's settings)."""
-    check_settings(mode, tokens, "given" if mode == "draft" else None)
+    check_settings(mode, tokens, load_draft_model)
     if mode == "off":
         return None
     return SuffixDrafter(max_draft=tokens) if mode == "suffix" else load_draft_model()
@@ -185,14 +185,14 @@ class Speculation:
             log.warning("speculation: a verify was skipped (%s: %s); the sequence decodes one token "
                         "(counted as spec_skipped_%s, logged once)", reason, why, reason)
 
-    def shadow(self, seqs: Sequence) -> bool:
+    def shadow(self, seqs: Sequence) -> None:
         """For a step carrying verifies over a model with recurrent layers:
         spare slots for every sequence's recurrent state (a slot per row of
         a decode or verify, one for a prompt chunk), or, where the pool has
-        too few free, no verify this step (counted). Whether drafts remain."""
+        too few free, no verify this step (its drafts dropped, counted)."""
         drafting = [s for s in seqs if s.draft]
         if not drafting or not seqs[0].cache.recurrent_layers:
-            return bool(drafting)
+            return
         cache = seqs[0].cache
         group = cache.pool.layer_group[cache.recurrent_layers[0]]
         need = [1 + len(s.draft) for s in seqs]
@@ -200,10 +200,9 @@ class Speculation:
             for seq in drafting:
                 seq.draft = []
                 self.skip("kv_blocks", "too few spare recurrent slots for the verifies' states")
-            return False
+            return
         for seq, n in zip(seqs, need):
             seq.cache.shadow = cache.pool.allocate(group, n)
-        return True
 
     def drop(self, seqs: Sequence, error: BaseException) -> bool:
         """After a step carrying verifies failed with ``error``: whether it was

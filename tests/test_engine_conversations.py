@@ -108,7 +108,7 @@ def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
     engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=64,
                                  conversation_cache_mib=10_000_000, strict_conversation_cache=True)
     assert engine.conversations.pool.total_bytes == 0
-    assert "refused (strict)" in engine.pool_decision.message
+    assert "refused (strict)" in engine.pool_decision
     assert all(len(t) == 2 for t in _alternate(engine))
     stats = engine.stats()
     assert stats["park_skipped"] == stats["skipped_by_reason"]["park:no_pool"] == 2

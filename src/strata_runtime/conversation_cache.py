@@ -10,152 +10,41 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from strata_kernels.recurrent import RecurrentStore
-
+from . import parked_entry as entry
+from .conversation_entries import (Checkpoint, Outcome, Parked, Restored, Saved, Skipped, Snapshot, Stored,
+                                   common_prefix, copy_parts, plan_parts)
+from .conversation_recovery import take_back
+from .disk_tier import DiskEntry, DiskTier
 from .faults import describe, is_out_of_memory
 from .kv_cache import KVCache
-from .kv_pool import store_fields
 from .memory import MiB
+from .parked_entry import EntryMeta, EntryRejected, scope_digest
 from .staging import Lease, StagingPool
 from .testing import fault_point
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Parked:
-    tokens: int
-    bytes: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Restored:
-    position: int  # the cache now holds positions 0 .. position-1
-    source: str  # "live" (cut back in place) or "parked"
-
-
-@dataclass(frozen=True)
-class Saved:
-    position: int
-    bytes: int
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """Work not done. ``reason`` is the log text; ``cause`` a short label
-    that counters and metrics group by (see ``CAUSES``)."""
-
-    reason: str
-    cause: str = "other"
-
-
-# Why an optimization was skipped, as counted in ``stats()["skipped_by_reason"]``.
-CAUSES = {
-    "no_pool": "the staging pool was refused at start (telemetry unknown, no room, or strict)",
-    "too_large": "larger than the whole staging pool",
-    "no_blocks": "no free KV blocks on the device to restore into",
-    "pool_full": "not enough free pages even after evicting what may be evicted",
-    "lease_failed": "taking pages from the pool ran out of memory",
-    "out_of_memory": "the copy ran out of memory",
-    "no_running_state": "the model has no running state to checkpoint",
-    "not_needed": "nothing to do (too short, already parked); neither logged nor counted",
-}
-
-
-Outcome = Parked | Restored | Saved | Skipped
-
-# (layer, field name, first position, end position, byte offset in the lease)
-_Part = tuple[int, str, int, int, int]
-
-
-@dataclass
-class _Stored:
-    """Position ranges of some layers of a cache, copied into one lease.
-
-    Invariant: ``parts`` tile ``lease`` from byte 0 in order; each part holds
-    rows ``first..end-1`` (by position) of one field of one layer's store."""
-
-    lease: Lease
-    parts: list[_Part]
-    nbytes: int
-
-
-@dataclass(eq=False)
-class Snapshot:
-    """A parked sequence: ``tokens`` (whose KV it holds) and, per layer, the
-    positions its store still held: ``0..length-1`` for full-attention layers,
-    the ring's last ``capacity`` positions for sliding ones, the state after
-    the last token for recurrent ones. Only a request of
-    the same ``scope`` may restore it.
-
-    A snapshot that extends an older one of its conversation (``base``: its
-    tokens are a prefix of these) stores only what the base does not hold:
-    per layer, positions from ``max(base.length, length - capacity)`` on.
-    Invariant: the chain (``chain()``: the base's chain, then this one)
-    holds every position above, and each member's bytes stay in the pool
-    while a member after it does."""
-
-    tokens: tuple[int, ...]
-    stored: _Stored
-    scope: str = ""
-    last_used: float = field(default_factory=time.monotonic)
-    base: "Snapshot | None" = None
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def chain(self) -> list["Snapshot"]:
-        """This snapshot's bases, oldest first, then itself: the copies a restore makes, in order."""
-        return ([] if self.base is None else self.base.chain()) + [self]
-
-
-@dataclass
-class Checkpoint:
-    """Running state at ``position`` of the sequence ``tokens``
-    (``KVCache.running_state``): the last ``window`` positions of every
-    sliding-window layer and the state of every recurrent layer. ``root`` checkpoints
-    (the end of a system prompt) are never evicted. Only a request of the
-    same ``scope`` may restore it."""
-
-    tokens: tuple[int, ...]
-    stored: _Stored
-    root: bool
-    scope: str = ""
-    last_used: float = field(default_factory=time.monotonic)
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class ConversationCache:
     """Snapshots of parked sequences and checkpoints of running state, all in
     ``pool`` pages.
 
-    Invariant: every snapshot and checkpoint owns one unreleased lease; at
-    most ``slots`` conversations (snapshots no other extends, with their
-    chains) are kept; counters count every outcome.
+    Invariant: every snapshot and checkpoint owns one unreleased lease, which
+    begins with its committed header (``parked_entry``), so an engine that
+    takes over a shared pool finds it (``recover``); a lease being written
+    or dropped carries no committed header. At most ``slots`` conversations
+    (snapshots no other extends, with their chains) are kept; counters count
+    every outcome. Scopes are kept as digests (``scope_digest``).
     """
 
     def __init__(self, pool: StagingPool, slots: int = 8, checkpoint_every: int = 0, min_park_tokens: int = 16,
-                 pool_refusal: str = "the pool is empty"):
+                 pool_refusal: str = "the pool is empty", fingerprint: str = "", durable: bool = False):
         if slots < 1:
             raise ValueError(f"a conversation cache needs at least 1 slot, got {slots}")
         self.pool = pool
@@ -166,14 +55,21 @@ class ConversationCache:
         self.checkpoints: list[Checkpoint] = []
         self.counters: Counter[str] = Counter()
         self.skipped_by_reason: Counter[str] = Counter()  # "kind:cause" -> count
+        self.rejected_by_reason: Counter[str] = Counter()  # entries found but not taken back, by cause
         self.pool_refusal = pool_refusal
+        # The model's fingerprint (``Engine.state_fingerprint``): entries of another are never taken back.
+        self.fingerprint = fingerprint
+        # Whether entries outlive this process (a shared pool, a disk tier):
+        # only then is each payload hashed, so a reader can check it.
+        self.durable = durable
+        self.disk: DiskTier | None = None  # the disk tier, once ``use_disk`` gives one
         # Copies between a GPU cache and the (pinned) pool run on their own
         # stream, so they overlap other work instead of queueing behind it.
-        self._copy_stream = torch.cuda.Stream() if pool.buffer.is_pinned() and torch.cuda.is_available() else None
+        self._copy_stream = torch.cuda.Stream() if pool.pinned and torch.cuda.is_available() else None
 
     # --- the one copy function ------------------------------------------------
 
-    def _copy(self, point: str, cache: KVCache, stored: "_Stored", to_pool: bool,
+    def _copy(self, point: str, cache: KVCache, stored: Stored, to_pool: bool,
               upto: int | None = None) -> Skipped | None:
         """Copy ``stored``'s parts between ``cache`` and the pool, one part per
         pipeline stage; a device-side failure in any part becomes ``Skipped``
@@ -185,13 +81,13 @@ class ConversationCache:
             try:
                 fault_point(point, stage)
                 if self._copy_stream is None:
-                    self._copy_parts(cache, stored, to_pool, upto, stage)
+                    copy_parts(cache, stored, to_pool, upto, stage)
                 else:
                     # Wait for the writes that produced the cache, copy, and finish
                     # before anyone reads the pages or the restored cache.
                     self._copy_stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(self._copy_stream):
-                        self._copy_parts(cache, stored, to_pool, upto, stage)
+                        copy_parts(cache, stored, to_pool, upto, stage)
                     self._copy_stream.synchronize()
             except Exception as e:
                 if not is_out_of_memory(e):
@@ -228,7 +124,7 @@ class ConversationCache:
         snapshot is asking) parked conversation, never one in ``keep``. A
         checkpoint never displaces a parked conversation: that would trade
         a whole conversation for a shortcut."""
-        victims = [c for c in self.checkpoints if not c.root]
+        victims = [c for c in self.checkpoints if not c.root and c not in keep]
         if evict_snapshots:
             victims += [s for s in self._heads() if s not in keep]
         if not victims:
@@ -260,57 +156,51 @@ class ConversationCache:
             self.snapshots.remove(item)
         else:
             self.checkpoints.remove(item)
-        self.pool.release(item.stored.lease)
+        item.stored.lease.write(0, entry.cleared_flag())  # no later reader takes the pages for an entry
+        if item.stored.spill is not None:
+            item.stored.spill.abandon()  # released now, or by the disk writer once it lets go of the pages
+        else:
+            self.pool.release(item.stored.lease)
 
     # --- storing ranges of a cache --------------------------------------------
 
-    @staticmethod
-    def _plan(cache: KVCache, layers: list[tuple[int, int, int]]) -> tuple[list[_Part], int]:
-        parts, offset = [], 0
-        for layer, first, end in layers:
-            for name, t in store_fields(cache.stores[layer]).items():
-                parts.append((layer, name, first, end, offset))
-                offset += (end - first) * t[0].numel() * t.element_size()
-        return parts, offset
-
-    @staticmethod
-    def _copy_parts(cache: KVCache, stored: _Stored, to_pool: bool, upto: int | None, stage: int) -> None:
-        pieces = []  # (layer, field, first slot, slots, lease offset, bytes)
-        for layer, name, first, end, offset in stored.parts:
-            if cache.layer_stages[layer] != stage:
-                continue
-            t = store_fields(cache.stores[layer])[name]
-            row = t[0].numel() * t.element_size()
-            stop = end if upto is None else min(end, upto)
-            for pos, slot, n in cache.slot_runs(layer, first, stop):
-                pieces.append((layer, name, slot, n, offset + (pos - first) * row, n * row))
-        if any(isinstance(cache.stores[layer], RecurrentStore) for layer, *_ in pieces):
-            fault_point("recurrent_copy", stage)
-        if cache.remote is not None and cache.remote.is_remote(stage):
-            cache.remote.copy_stage(cache, stage, pieces, stored.lease, to_pool)
-            return
-        for layer, name, slot, n, at, _ in pieces:
-            piece = store_fields(cache.stores[layer])[name][slot:slot + n]
-            if to_pool:
-                stored.lease.copy_in(at, piece)
-            else:
-                stored.lease.copy_out(at, piece)
-
-    def _store(self, cache: KVCache, layers, point: str, what: str, keep: frozenset = frozenset()) -> _Stored | Skipped:
-        parts, nbytes = self._plan(cache, layers)
-        lease = self._lease(nbytes, what, evict_snapshots=point == "park_copy", keep=keep)
+    def _store(self, cache: KVCache, layers, point: str, what: str, tokens: tuple[int, ...], scope: str,
+               keep: frozenset = frozenset(), base: Snapshot | None = None, root: bool = False) -> Stored | Skipped:
+        """Copy ``layers`` of ``cache`` into a new lease behind a header that
+        names them; commit the header once every byte is in (the flag last)."""
+        parts, payload = plan_parts(cache, layers)
+        meta = EntryMeta(kind="checkpoint" if point == "checkpoint_copy" else "snapshot", id=uuid.uuid4().hex,
+                         tokens=tokens, parts=tuple(parts), payload_bytes=payload, fingerprint=self.fingerprint,
+                         scope=scope, base=None if base is None else base.stored.id, root=root, created=time.time())
+        n_pages = entry.pages_needed(meta, self.pool.page_bytes)
+        header = entry.header_bytes(meta, n_pages)
+        lease = self._lease(header + payload, what, evict_snapshots=point == "park_copy", keep=keep)
         if isinstance(lease, Skipped):
             return lease
-        stored = _Stored(lease, parts, nbytes)
+        stored = Stored(lease, meta, header)
         try:
+            # The header goes first, uncommitted: a copy cut off here is found and counted as such.
+            lease.write(0, entry.encode_header(meta, lease.pages))
             failed = self._copy(point, cache, stored, to_pool=True)
+            if not failed:
+                digest = entry.payload_hash(v.numpy() for v in lease.byte_views(header, payload)) if self.durable else 0
+                self._commit(stored, digest)
         except BaseException:
+            lease.write(0, entry.cleared_flag())
             self.pool.release(lease)
             raise
         if failed:
+            lease.write(0, entry.cleared_flag())
             self.pool.release(lease)
             return failed
         return stored
+
+    def _commit(self, stored: Stored, digest: int) -> None:
+        """Write the header's hashes, then the commit flag, last; a snapshot goes to the disk tier too."""
+        stored.lease.write(0, entry.encode_header(stored.meta, stored.lease.pages, digest)[:entry.PREFIX_BYTES])
+        stored.lease.write(entry.STATE_OFFSET, entry.commit_flag())
+        if self.disk is not None and stored.meta.kind == "snapshot":
+            stored.spill = self.disk.spill(stored.meta, stored.lease, stored.header, digest)
 
     # --- park -------------------------------------------------------------------
 
@@ -318,6 +208,7 @@ class ConversationCache:
         """Copy the live sequence (``tokens``, all in ``cache``, computed for a
         request of ``scope``) into the pool."""
         tokens = tuple(tokens[:cache.length])
+        scope = scope_digest(scope)
         # Nothing to do is not a failure: neither logged as one nor counted as skipped.
         if len(tokens) < self.min_park_tokens:
             return Skipped(f"not parked ({len(tokens)} tokens is too short to be worth it)", "not_needed")
@@ -335,7 +226,7 @@ class ConversationCache:
         while len(others := [s for s in self._heads() if s is not base]) >= self.slots:
             self._drop_conversation(min(others, key=lambda s: s.last_used), keep)
             self.counters["evictions"] += 1
-        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot", keep)
+        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot", tokens, scope, keep, base)
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"skip parking ({stored.reason})", stored.cause), "park")
         self.snapshots.append(Snapshot(tokens, stored, scope, base=base))
@@ -348,6 +239,7 @@ class ConversationCache:
     def save_checkpoint(self, cache: KVCache, tokens: Sequence[int], root: bool = False, scope: str = "") -> Outcome:
         """Save the running state of ``cache`` at its current length (``tokens`` are its tokens)."""
         tokens = tuple(tokens[:cache.length])
+        scope = scope_digest(scope)
         p = len(tokens)
         running = cache.running_state(p)
         if not running:
@@ -357,7 +249,7 @@ class ConversationCache:
                 c.root |= root
                 c.last_used = time.monotonic()
                 return self._record(Saved(p, c.stored.nbytes), "checkpoint")
-        stored = self._store(cache, running, "checkpoint_copy", f"a checkpoint at {p}")
+        stored = self._store(cache, running, "checkpoint_copy", f"a checkpoint at {p}", tokens, scope, root=root)
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"checkpoint save skipped ({stored.reason})", stored.cause), "checkpoint")
         self.checkpoints.append(Checkpoint(tokens, stored, root, scope))
@@ -386,8 +278,17 @@ class ConversationCache:
     def longest_prefix(self, prompt: Sequence[int], scope: str = "") -> int:
         """The most tokens a parked snapshot or a checkpoint of ``scope``
         shares with the start of ``prompt`` (an upper bound on what a restore gives)."""
-        return max((common_prefix(item.tokens, prompt) for item in (*self.snapshots, *self.checkpoints)
+        scope = scope_digest(scope)
+        return max((common_prefix(item.tokens, prompt) for item in (*self.snapshots, *self.checkpoints,
+                                                                     *self.disk_only())
                     if item.scope == scope), default=0)
+
+    def disk_only(self) -> list[DiskEntry]:
+        """Snapshots on disk that RAM does not hold."""
+        if self.disk is None:
+            return []
+        in_ram = {s.stored.id for s in self.snapshots}
+        return [e for e in self.disk.snapshot_metas() if e.meta.id not in in_ram]
 
     def restore(self, cache: KVCache, live_tokens: Sequence[int], prompt: Sequence[int], scope: str = "",
                 live_scope: str = "") -> Outcome:
@@ -395,18 +296,32 @@ class ConversationCache:
         longest prefix of ``prompt`` that the live sequence, a parked snapshot
         and the checkpoints of ``scope`` can give, leaving at least one prompt
         token to prefill."""
+        scope, live_scope = scope_digest(scope), scope_digest(live_scope)
         limit = len(prompt) - 1
         live_shared = min(common_prefix(live_tokens[:cache.length], prompt), limit) if live_scope == scope else 0
-        best = (*self._plan_restore(cache, cache.length, live_shared, prompt, scope), None)
-        for snap in self.snapshots:
-            if snap.scope != scope:
-                continue
-            shared = min(common_prefix(snap.tokens, prompt), limit)
-            position, cp = self._plan_restore(cache, snap.length, shared, prompt, scope)
-            if position > best[0]:
-                best = (position, cp, snap)
-        position, cp, snap = best
         t0 = time.perf_counter()
+        tried: set[str] = set()  # disk entries that could not be read back this time
+        from_disk = False
+        while True:
+            best = (*self._plan_restore(cache, cache.length, live_shared, prompt, scope), None)
+            for snap in (*self.snapshots, *(e for e in self.disk_only() if e.meta.id not in tried)):
+                if snap.scope != scope:
+                    continue
+                shared = min(common_prefix(snap.tokens, prompt), limit)
+                position, cp = self._plan_restore(cache, len(snap.tokens), shared, prompt, scope)
+                if position > best[0]:
+                    best = (position, cp, snap)
+            position, cp, snap = best
+            if not isinstance(snap, DiskEntry):
+                break
+            # The best is on disk only: read it back into the pool, or (skipped) plan again without it.
+            loaded = self._load_from_disk(snap, frozenset([cp] if cp else []))
+            if isinstance(loaded, Skipped):
+                self._record(Skipped(f"restore from disk skipped ({loaded.reason})", loaded.cause), "disk_read")
+                tried.add(snap.meta.id)
+                continue
+            snap, from_disk = loaded, True
+            break
         if snap is not None:
             cache.reset()  # if the copy fails midway, the live state is cold and consistent
             if not cache.reserve(position):
@@ -433,7 +348,62 @@ class ConversationCache:
         if snap is None:
             # Cutting the live sequence back is no restore: counted apart.
             return self._record(Restored(position, "live"), "reuse", time.perf_counter() - t0)
-        return self._record(Restored(position, "parked"), "restore", time.perf_counter() - t0)
+        if from_disk:
+            self.counters["restored_from_disk"] += 1
+        return self._record(Restored(position, "disk" if from_disk else "parked"), "restore",
+                            time.perf_counter() - t0)
+
+    # --- taking back a shared pool's entries ----------------------------------------
+
+    def recover(self, fingerprint: str, row_bytes: dict[tuple[int, str], int]) -> dict[str, Any]:
+        """Take back what a dead engine left in this (shared) pool
+        (``conversation_recovery.take_back``); the cache must be empty."""
+        return take_back(self, fingerprint, row_bytes)
+
+    def use_disk(self, disk: DiskTier) -> None:
+        """Write snapshots through to ``disk`` from now on, and restore from
+        it; what the pool holds that the disk lacks is queued for it now."""
+        self.disk = disk
+        self.durable = True
+        for snap in self.snapshots:
+            if not disk.has(snap.stored.id):
+                prefix = entry.parse_prefix(snap.stored.lease.read(0, entry.PREFIX_BYTES))
+                snap.stored.spill = disk.spill(snap.stored.meta, snap.stored.lease, snap.stored.header,
+                                               prefix.payload_hash)
+
+    def _load_from_disk(self, found: DiskEntry, keep: frozenset) -> Snapshot | Skipped:
+        """``found`` (and the bases it extends that RAM lacks) read back into
+        pool pages and committed there, as a parked snapshot."""
+        meta = found.meta
+        base = None
+        if meta.base is not None:
+            base = next((s for s in self.snapshots if s.stored.id == meta.base), None)
+            if base is None:
+                on_disk = next((e for e in self.disk.snapshot_metas() if e.meta.id == meta.base), None)
+                base = None if on_disk is None else self._load_from_disk(on_disk, keep)
+                if not isinstance(base, Snapshot):
+                    if on_disk is None:
+                        self.disk.forget(meta.id, "orphan")
+                    return base if isinstance(base, Skipped) else Skipped("the snapshot it extends is gone", "orphan")
+            keep = keep | frozenset(base.chain())
+        header = entry.header_bytes(meta, entry.pages_needed(meta, self.pool.page_bytes))
+        lease = self._lease(header + meta.payload_bytes, f"a {len(meta.tokens)}-token snapshot from disk",
+                            evict_snapshots=True, keep=keep)
+        if isinstance(lease, Skipped):
+            return lease
+        lease.write(0, entry.encode_header(meta, lease.pages))
+        try:
+            digest = self.disk.read_into(found, lease, header)
+        except Exception as e:  # the file was wrong (removed, counted) or reading failed (kept): skipped either way
+            lease.write(0, entry.cleared_flag())
+            self.pool.release(lease)
+            cause = f"disk_{e.cause}" if isinstance(e, EntryRejected) else "disk_read_failed"
+            return Skipped(f"reading {found.path.name} failed: {describe(e)}", cause)
+        stored = Stored(lease, meta, header)
+        self._commit(stored, digest)
+        snap = Snapshot(meta.tokens, stored, meta.scope, base=base)
+        self.snapshots.append(snap)
+        return snap
 
     # --- bookkeeping -------------------------------------------------------------------
 
@@ -448,17 +418,29 @@ class ConversationCache:
             log.info("conversation cache: %s; %s", _describe(outcome, seconds), self._summary())
         return outcome
 
+    def _disk_stats(self) -> dict[str, Any]:
+        disk = self.disk
+        skipped = {f"spill:{cause}": n for cause, n in disk.skipped.items()}
+        return {**disk.counters, "disk_entries": len(disk.snapshot_metas()), "disk_bytes": disk.used_bytes,
+                "disk_bytes_total": disk.budget_bytes, "spill_skipped": sum(disk.skipped.values()),
+                "skipped_by_reason": {**self.skipped_by_reason, **skipped}}
+
     def _summary(self) -> str:
         return (f"parked={len(self.snapshots)} checkpoints={len(self.checkpoints)} "
                 f"bytes={self.pool.used_bytes} evictions={self.counters['evictions']}")
 
     def stats(self) -> dict[str, Any]:
         """Counters (``parked``, ``restored``, ``live_reused``, ``checkpoints_saved``,
-        ``<kind>_skipped``, ``evictions``), ``skipped_by_reason`` keyed
-        ``"<kind>:<cause>"``, and the pool's current figures."""
+        ``<kind>_skipped``, ``evictions``, ``recovered_snapshots``,
+        ``recovered_checkpoints``), ``skipped_by_reason`` keyed
+        ``"<kind>:<cause>"``, ``rejected_by_reason`` (entries found at start
+        and discarded, by ``parked_entry.REJECT_CAUSES``), and the pool's
+        current figures."""
         return {
             **self.counters,
             "skipped_by_reason": dict(self.skipped_by_reason),
+            "rejected_by_reason": dict(self.rejected_by_reason + (self.disk.rejected if self.disk else Counter())),
+            **(self._disk_stats() if self.disk is not None else {}),
             "parked_now": len(self.snapshots),
             "checkpoints_now": len(self.checkpoints),
             "pool_bytes_used": self.pool.used_bytes,

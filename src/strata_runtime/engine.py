@@ -30,7 +30,10 @@ from .memory import MiB, HostMemory
 from .sampling import SamplingParams
 from .scheduler import Generation, Scheduler
 from .speculation import check_settings, drafter_for, spare_states
+from .disk_tier import DiskTier
+from .fingerprint import model_file_identity, row_bytes, state_fingerprint
 from .staging import StagingPool
+from .staging_segment import StagingSegment, pin
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
 
@@ -50,6 +53,8 @@ class EngineConfig:
     min_free_mib: int = 1024  # host memory the pool must leave free
     checkpoint_every: int = 2048  # running-state checkpoints every N prompt tokens (0: only at turn boundaries)
     strict_conversation_cache: bool = False  # refuse the pool rather than shrink it to fit
+    conversation_cache_dir: str | None = None  # the disk tier: parked conversations written through to files here
+    conversation_cache_disk_mib: int = 4096  # what the disk tier may hold
     devices: tuple[str, ...] | None = None  # a layer split over these devices (None: just ``device``)
     layer_split: str | tuple[int, ...] | None = None  # first layer of each later stage, or "auto"
     distributed: bool = False  # one stage per torch.distributed rank (torchrun); this process is rank 0
@@ -71,13 +76,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer (or None: sized for you), got {value!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
-        for name in ("conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every"):
+        for name in ("conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every",
+                     "conversation_cache_disk_mib"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
         if self.conversation_cache_mib and not self.conversation_cache_slots:
             raise ValueError("conversation_cache_slots must be at least 1 while conversation_cache_mib is above 0 "
                              "(to park no conversation, set conversation_cache_mib to 0)")
+        if self.conversation_cache_dir is not None and not self.conversation_cache_mib:
+            raise ValueError("conversation_cache_dir needs conversation_cache_mib above 0: conversations come back "
+                             "from disk through the staging pool")
         check_settings(self.spec, self.spec_tokens, self.draft_model)
         if self.kv not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
@@ -144,17 +153,21 @@ class Completion:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **options: Any) -> "Engine":
+def load(path: str | Path | None = None, *, memory: HostMemory | None = None,
+         staging: StagingSegment | None = None, **options: Any) -> "Engine":
     """Load a GGUF model (``path=None``: the embedded default model).
 
     Options: see ``EngineConfig`` (the default ``dtype="auto"`` is the
     fastest path whose accuracy holds; ``dtype="float32"`` the exact one).
     ``memory`` is the host telemetry the staging pool is admitted against
-    (default: this host's ``/proc`` and cgroup files).
+    (default: this host's ``/proc`` and cgroup files). ``staging``: a shared
+    segment reserved by the caller (a server) to hold the staging pool, in
+    place of reserving one here; what an earlier engine parked in it is
+    taken back.
     """
     config = EngineConfig.from_options(options)
     if config.distributed:  # each rank checks its own device: the others may be on other hosts
-        return _load_rank0(path, config, memory)
+        return _load_rank0(path, config, memory, staging)
     for name in config.devices or (config.device,):
         check_device(name)
     if path is None:
@@ -173,7 +186,7 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None, **
     check_vocabulary(gguf, tokenizer.vocab.size)
     model = build_model(opened, placement, config.dtype, config.progress, f"loading {gguf.path.name}")
     runner = model if len(placement.stage_devices) == 1 else Pipeline(model)
-    return Engine(gguf, runner, tokenizer, config, memory)
+    return Engine(gguf, runner, tokenizer, config, memory, staging)
 
 
 def check_device(name: str) -> None:
@@ -181,7 +194,7 @@ def check_device(name: str) -> None:
         raise StrataError(f"device={name!r} was asked for but torch sees no CUDA device; use device='cpu'")
 
 
-def _load_rank0(path, config: EngineConfig, memory: HostMemory | None) -> "Engine":
+def _load_rank0(path, config: EngineConfig, memory: HostMemory | None, staging: StagingSegment | None) -> "Engine":
     """Rank 0 of a split across processes: its stage, driving the others."""
     from .ranks import RankPipeline, join_stage, ready
 
@@ -190,7 +203,7 @@ def _load_rank0(path, config: EngineConfig, memory: HostMemory | None) -> "Engin
     ready(0)
     tokenizer = Tokenizer.from_gguf(stage.gguf)
     check_vocabulary(stage.gguf, tokenizer.vocab.size)
-    return Engine(stage.gguf, pipeline, tokenizer, config, memory)
+    return Engine(stage.gguf, pipeline, tokenizer, config, memory, staging)
 
 
 class Engine:
@@ -208,7 +221,7 @@ class Engine:
     """
 
     def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig,
-                 memory: HostMemory | None = None):
+                 memory: HostMemory | None = None, staging: StagingSegment | None = None):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.gguf = gguf
@@ -223,10 +236,29 @@ class Engine:
             _token_text(tokenizer, tokenizer.eos_id),
         )
         self._turns = TurnMarker.of(self.chat_template, tokenizer)
-        self.conversations = self._reserve_conversation_cache(config, memory)
+        self.conversations = self._reserve_conversation_cache(config, memory, staging)
         self.scheduler = self._reserve_scheduler(config, memory)
+        self.recovered: dict[str, Any] | None = None  # what was taken back from a shared staging pool
+        if self.conversations is not None:
+            self.conversations.fingerprint = self.state_fingerprint()
+            if staging is not None:
+                self.recovered = self.conversations.recover(self.conversations.fingerprint,
+                                                            row_bytes(self.scheduler.pool))
+            if config.conversation_cache_dir is not None:
+                self.conversations.use_disk(DiskTier(config.conversation_cache_dir,
+                                                     config.conversation_cache_disk_mib * MiB,
+                                                     self.conversations.fingerprint))
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
+
+    def persist(self, timeout: float = 30.0) -> bool:
+        """Before the engine goes away on purpose: park the conversations
+        still resident on the device and wait (up to ``timeout``) for the
+        disk tier to write what it has queued; whether everything was written."""
+        if self.conversations is None:
+            return True
+        self.scheduler.park_residents()
+        return self.conversations.disk is None or self.conversations.disk.flush(timeout)
 
     def close(self) -> None:
         """Stop what the engine runs outside this process: the other ranks of
@@ -243,9 +275,18 @@ class Engine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def _reserve_conversation_cache(self, config: EngineConfig, memory: HostMemory | None) -> ConversationCache | None:
-        """The staging pool is reserved here, once; nothing later asks the host for more."""
+    def _reserve_conversation_cache(self, config: EngineConfig, memory: HostMemory | None,
+                                    staging: StagingSegment | None) -> ConversationCache | None:
+        """The staging pool is reserved here, once (or was, by the server, as
+        ``staging``); nothing later asks the host for more."""
         self.pool_decision = None
+        if staging is not None:
+            buffer = staging.map()
+            pool = StagingPool.over(buffer, staging.page_bytes,
+                                    pinned=self.model.device.type == "cuda" and pin(buffer))
+            self.pool_decision = staging.decision
+            return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
+                                     durable=True)
         if config.conversation_cache_mib == 0:
             return None
         pool, decision = StagingPool.reserve(
@@ -255,11 +296,18 @@ class Engine:
             strict=config.strict_conversation_cache,
             pin=self.model.device.type == "cuda",
         )
-        self.pool_decision = decision
+        self.pool_decision = decision.message
         # A refused pool still gets a cache: each park and checkpoint is then
         # skipped, logged and counted with the refusal's reason.
         return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
                                  pool_refusal=decision.message.removeprefix("staging pool: "))
+
+    def state_fingerprint(self) -> str:
+        """What this engine's parked state means (``fingerprint``): entries of
+        another fingerprint are never taken back."""
+        identity = model_file_identity(self.gguf.path, int(self.gguf.reader.data_offset))
+        return state_fingerprint(identity, self.gguf.architecture, self.config.kv, self.model.compute_path.name,
+                                 self.scheduler.pool, [str(d) for d in self.model.placement.stage_devices])
 
     def _reserve_scheduler(self, config: EngineConfig, memory: HostMemory | None) -> Scheduler:
         """The KV pool for sequences decoded together, reserved here, once:
@@ -305,7 +353,7 @@ class Engine:
         staging pool's admission decision; the scheduler's are ``scheduler.stats()``."""
         if self.conversations is None:
             return {}
-        return {**self.conversations.stats(), "pool_decision": self.pool_decision.message}
+        return {**self.conversations.stats(), "pool_decision": self.pool_decision}
 
     # --- model ------------------------------------------------------------
 

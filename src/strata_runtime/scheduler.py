@@ -495,6 +495,12 @@ class Scheduler:
         self.counters["resident_evictions"] += 1
         return True
 
+    def park_residents(self) -> None:
+        """Park every resident (finished) sequence to the conversation cache
+        and free its blocks: what an engine does before it stops."""
+        while self._evict_resident():
+            pass
+
     def _preempt_newest(self) -> None:
         """Free blocks: a resident's, else the most recently admitted running
         sequence's: its state is parked where the conversation cache can take
@@ -536,15 +542,19 @@ class Scheduler:
     def slots(self) -> list[dict]:
         """Every sequence the engine holds state for: running and waiting
         requests, residents (finished, on the device) and parked
-        conversations (on the host). Scopes are not shown: they name clients."""
+        conversations (``where``: the tier, "ram" for the staging pool,
+        "disk" for files of the disk tier that RAM does not hold).
+        Scopes are not shown: they name clients."""
         out = [{"id": s.id, "state": s.state, "tokens": len(s.tokens), "prompt_tokens": len(s.prompt),
                 "generated_tokens": len(s.generated), "blocks": s.cache.held_blocks if s.cache else 0,
                 "where": "device", "preemptions": s.preemptions} for s in (*self.running, *self.waiting)]
         out += [{"state": "resident", "tokens": len(r.tokens), "blocks": r.cache.held_blocks, "where": "device"}
                 for r in self.residents]
         if self.conversations is not None:
-            out += [{"state": "parked", "tokens": snap.length, "bytes": snap.stored.nbytes, "where": "host"}
+            out += [{"state": "parked", "tokens": snap.length, "bytes": snap.stored.nbytes, "where": "ram"}
                     for snap in self.conversations.snapshots]
+            out += [{"state": "parked", "tokens": len(e.tokens), "bytes": e.meta.payload_bytes, "where": "disk"}
+                    for e in self.conversations.disk_only()]
         return out
 
     def stats(self) -> dict:

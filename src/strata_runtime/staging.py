@@ -1,10 +1,16 @@
 """The host staging pool: memory for parked conversations and checkpoints,
-reserved once at engine start and handed out in fixed-size pages."""
+reserved once at start and handed out in fixed-size pages.
+
+The pool's memory is either the engine's own (a library user's engine) or a
+shared segment the server reserved and keeps across engine restarts
+(``staging_segment``): the pool itself does not care which."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -24,6 +30,34 @@ class PoolDecision:
     headroom: Headroom
     floor: int
     message: str
+
+
+def admit(requested_bytes: int, *, min_free_bytes: int, memory: HostMemory | None = None,
+          page_bytes: int = DEFAULT_PAGE_BYTES, strict: bool = False) -> tuple[int, str, Headroom]:
+    """How much of ``requested_bytes`` the host can give, leaving
+    ``min_free_bytes`` of its headroom free: (granted bytes, a page multiple;
+    why; the headroom read). ``strict`` or unknown telemetry refuse rather
+    than shrink."""
+    headroom = (memory or HostMemory()).headroom()
+    requested = requested_bytes // page_bytes * page_bytes
+    if requested <= 0:
+        return 0, ("no conversation cache requested" if requested_bytes <= 0 else
+                   f"less than one page ({page_bytes / MiB:g} MiB) requested"), headroom
+    if not headroom.known:
+        return 0, f"refused: {headroom.reason}", headroom
+    room = max(0, headroom.bytes - min_free_bytes) // page_bytes * page_bytes
+    if requested <= room:
+        return requested, "reserved", headroom
+    if strict:
+        return 0, "refused (strict)", headroom
+    return room, "shrunk to fit", headroom
+
+
+def describe_decision(why: str, granted: int, requested: int, headroom: Headroom, min_free_bytes: int,
+                      where: str = "") -> str:
+    known = f"headroom {headroom.bytes // MiB} MiB" if headroom.known else headroom.reason
+    return (f"staging pool: {why}: {granted // MiB} MiB of {requested // MiB} MiB requested{where} "
+            f"({known}; floor {min_free_bytes // MiB} MiB)")
 
 
 class Lease:
@@ -62,7 +96,7 @@ class Lease:
         data = _bytes_of(src)
         buf = self.pool.buffer
         for at, pos, n in self._spans(offset, data.numel()):
-            buf[at:at + n].copy_(data[pos - offset:pos - offset + n], non_blocking=buf.is_pinned())
+            buf[at:at + n].copy_(data[pos - offset:pos - offset + n], non_blocking=self.pool.pinned)
         return data.numel()
 
     def copy_out(self, offset: int, dst: torch.Tensor) -> int:
@@ -70,8 +104,17 @@ class Lease:
         data = _bytes_of(dst)
         buf = self.pool.buffer
         for at, pos, n in self._spans(offset, data.numel()):
-            data[pos - offset:pos - offset + n].copy_(buf[at:at + n], non_blocking=buf.is_pinned())
+            data[pos - offset:pos - offset + n].copy_(buf[at:at + n], non_blocking=self.pool.pinned)
         return data.numel()
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Lease bytes ``offset..offset+length-1`` as a ``bytes`` object (small reads: headers)."""
+        return b"".join(v.numpy().tobytes() for v in self.byte_views(offset, length))
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Write ``data`` to lease bytes ``offset..`` (small writes: headers)."""
+        if data:
+            self.copy_in(offset, torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -92,11 +135,20 @@ class StagingPool:
     """
 
     def __init__(self, n_pages: int, page_bytes: int = DEFAULT_PAGE_BYTES, pin: bool = False):
+        buffer = torch.empty(n_pages * page_bytes, dtype=torch.uint8, pin_memory=pin)
+        buffer.zero_()  # touch every page now: the memory is really there later
+        self._init(buffer, page_bytes, pin)
+
+    def _init(self, buffer: torch.Tensor, page_bytes: int, pinned: bool) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % page_bytes:
+            raise ValueError(f"a staging pool needs a flat uint8 buffer of whole {page_bytes}-byte pages")
         self.page_bytes = page_bytes
-        self.buffer = torch.empty(n_pages * page_bytes, dtype=torch.uint8, pin_memory=pin)
-        self.buffer.zero_()  # touch every page now: the memory is really there later
-        self._free = list(range(n_pages - 1, -1, -1))
-        self.n_pages = n_pages
+        self.buffer = buffer
+        self.pinned = pinned
+        self.n_pages = buffer.numel() // page_bytes
+        self._free = list(range(self.n_pages - 1, -1, -1))
+        # The disk tier's writer thread releases the pages it held: free-list changes are locked.
+        self._lock = threading.Lock()
 
     @classmethod
     def reserve(cls, requested_bytes: int, *, min_free_bytes: int, memory: HostMemory | None = None,
@@ -105,30 +157,24 @@ class StagingPool:
         """Admit ``requested_bytes`` against the host's headroom minus
         ``min_free_bytes``: grant it, shrink it to what fits, or (``strict``,
         or unknown telemetry) refuse it; log the decision with its numbers."""
-        headroom = (memory or HostMemory()).headroom()
+        granted, why, headroom = admit(requested_bytes, min_free_bytes=min_free_bytes, memory=memory,
+                                       page_bytes=page_bytes, strict=strict)
         requested = requested_bytes // page_bytes * page_bytes
-        if requested <= 0:
-            granted, why = 0, ("no conversation cache requested" if requested_bytes <= 0 else
-                                f"less than one page ({page_bytes / MiB:g} MiB) requested")
-        elif not headroom.known:
-            granted, why = 0, f"refused: {headroom.reason}"
-        else:
-            room = max(0, headroom.bytes - min_free_bytes) // page_bytes * page_bytes
-            if requested <= room:
-                granted, why = requested, "reserved"
-            elif strict:
-                granted, why = 0, "refused (strict)"
-            else:
-                granted, why = room, "shrunk to fit"
         try:
             pool = cls(granted // page_bytes, page_bytes, pin=pin and granted > 0)
         except (RuntimeError, MemoryError) as e:
             pool, granted, why = cls(0, page_bytes), 0, f"refused: reserving failed ({e})"
-        known = f"headroom {headroom.bytes // MiB} MiB" if headroom.known else headroom.reason
-        message = (f"staging pool: {why}: {granted // MiB} MiB of {requested // MiB} MiB requested "
-                   f"({known}; floor {min_free_bytes // MiB} MiB)")
+        message = describe_decision(why, granted, requested, headroom, min_free_bytes)
         log.info(message)
         return pool, PoolDecision(requested, granted, headroom, min_free_bytes, message)
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor, page_bytes: int, pinned: bool = False) -> "StagingPool":
+        """A pool in memory reserved elsewhere (a shared segment): ``buffer``
+        is a uint8 tensor of whole pages, already resident; every page free."""
+        pool = cls.__new__(cls)
+        pool._init(buffer, page_bytes, pinned)
+        return pool
 
     # --- leases -----------------------------------------------------------
 
@@ -138,16 +184,31 @@ class StagingPool:
     def lease(self, nbytes: int) -> Lease | None:
         """Pages for ``nbytes``, or ``None`` when the pool cannot give them all."""
         need = self.pages_for(nbytes)
-        if need > len(self._free) or nbytes <= 0:
-            return None
-        pages = tuple(self._free.pop() for _ in range(need))
+        with self._lock:
+            if need > len(self._free) or nbytes <= 0:
+                return None
+            pages = tuple(self._free.pop() for _ in range(need))
         return Lease(self, pages, nbytes)
 
+    def claim(self, pages: Sequence[int], nbytes: int) -> Lease:
+        """The lease of ``pages`` (free until now) holding ``nbytes``: what a
+        restarted engine takes back of an entry it found in a shared pool."""
+        if self.pages_for(nbytes) != len(pages):
+            raise ValueError(f"{len(pages)} pages cannot hold exactly {nbytes} bytes of {self.page_bytes}-byte pages")
+        with self._lock:
+            free = set(self._free)
+            if not all(p in free for p in pages) or len(set(pages)) != len(pages):
+                raise ValueError("pages claimed twice, or outside the pool")
+            taken = set(pages)
+            self._free = [p for p in self._free if p not in taken]
+        return Lease(self, tuple(pages), nbytes)
+
     def release(self, lease: Lease) -> None:
-        if lease.released or lease.pool is not self:
-            raise ValueError("this lease was already released or belongs to another pool")
-        lease.released = True
-        self._free.extend(reversed(lease.pages))
+        with self._lock:
+            if lease.released or lease.pool is not self:
+                raise ValueError("this lease was already released or belongs to another pool")
+            lease.released = True
+            self._free.extend(reversed(lease.pages))
 
     # --- figures ------------------------------------------------------------
 
@@ -157,7 +218,8 @@ class StagingPool:
 
     @property
     def free_bytes(self) -> int:
-        return len(self._free) * self.page_bytes
+        with self._lock:
+            return len(self._free) * self.page_bytes
 
     @property
     def used_bytes(self) -> int:

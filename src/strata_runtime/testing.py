@@ -3,7 +3,8 @@
 Points: ``park_copy``, ``restore_copy``, ``checkpoint_copy`` (the copies
 between the device cache and the staging pool), ``recurrent_copy`` (within
 any of those, the part holding recurrent layers' state), ``staging_lease``
-(asking the pool for pages), ``verify`` (a decoding sequence's verify of
+(asking the pool for pages), ``disk_write`` and ``disk_read`` (the disk
+tier writing a file, on its writer thread, and reading one back), ``verify`` (a decoding sequence's verify of
 its draft, as the step is planned; subject: its tokens), ``verify_copy`` (a recurrent layer copying
 a verify's state from slot to slot; subject: the slots), ``verify_forward``
 (after the forward of a step carrying verifies, every position written:
@@ -16,28 +17,37 @@ How a fault fails (``KINDS``): ``oom`` raises torch's out-of-memory error
 (what an optimization skips); ``device_error`` raises the error torch gives
 for an illegal memory access (what ends an engine); ``hang`` blocks the
 thread for good (a stuck kernel); ``kill`` ends the process with SIGKILL (a
-segfault, the OOM killer).
+segfault, the OOM killer); ``slow`` makes the work at the point take
+``SLOW_SECONDS`` longer and then go on (a copy slow enough for a test to
+kill the process in the middle of it; each time it is logged).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
+log = logging.getLogger(__name__)
+
 # The optimizations' points: out-of-memory at any of them is skipped and the request served.
 # The conversation cache's:
 OPTIMIZATION_POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "recurrent_copy", "staging_lease")
+# The disk tier's (reached only with a conversation_cache_dir):
+DISK_POINTS = ("disk_write", "disk_read")
 # Speculative decoding's:
 SPECULATION_POINTS = ("verify", "verify_copy", "verify_forward")
-POINTS = (*OPTIMIZATION_POINTS, *SPECULATION_POINTS, "forward", "layer")
-KINDS = ("oom", "device_error", "hang", "kill")
+POINTS = (*OPTIMIZATION_POINTS, *DISK_POINTS, *SPECULATION_POINTS, "forward", "layer")
+KINDS = ("oom", "device_error", "hang", "kill", "slow")
+SLOW_SECONDS = 4.0
 
 
 @dataclass
@@ -112,4 +122,8 @@ def _fail(fault: _Fault, point: str) -> None:
         raise device_error(f"injected at {point}")
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "slow":
+        log.warning("fault injection: %s slowed down by %.0f s (test hook)", point, SLOW_SECONDS)
+        time.sleep(SLOW_SECONDS)
+        return
     threading.Event().wait()  # "hang": never set

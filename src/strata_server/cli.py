@@ -75,6 +75,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="host staging pool for parked conversations, reserved at start (0: none)")
     c.add_argument("--conversation-cache-slots", type=_whole, default=8, help="parked conversations kept at most")
     c.add_argument("--min-free-mib", type=_whole, default=1024, help="host memory the pool must leave free")
+    c.add_argument("--conversation-cache-dir", default=None, metavar="DIR",
+                   help="a disk tier: parked conversations are written through to files here (created 0700) and "
+                        "come back after a restart of the server")
+    c.add_argument("--conversation-cache-disk-mib", type=_whole, default=4096,
+                   help="what the disk tier may hold; least recently used files go first (default 4096)")
     c.add_argument("--checkpoint-every", type=_whole, default=2048,
                    help="running-state checkpoints every N prompt tokens (0: turn boundaries only)")
 
@@ -138,6 +143,7 @@ SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
                     "presence_penalty", "frequency_penalty", "seed", "stop")
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "parallel", "kv_memory_mib",
                   "conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices",
+                  "conversation_cache_dir", "conversation_cache_disk_mib",
                   "layer_split", "rank_timeout_s", "spec", "spec_tokens", "draft_model")
 
 

@@ -11,8 +11,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/props", "/slots", "/health", "/metrics")
 
 # Conversation cache counters from Engine.stats(), exported as <name>_total.
-CACHE_COUNTERS = ("parked", "restored", "live_reused", "checkpoints_saved", "evictions")
-CACHE_GAUGES = ("parked_now", "checkpoints_now", "pool_bytes_used", "pool_bytes_total")
+CACHE_COUNTERS = ("parked", "restored", "live_reused", "checkpoints_saved", "evictions",
+                  # the disk tier's: files written and read back, with their bytes and seconds
+                  "restored_from_disk", "disk_spills", "disk_spill_bytes", "disk_spill_seconds", "disk_reads",
+                  "disk_read_bytes", "disk_read_seconds", "disk_evictions")
+CACHE_GAUGES = ("parked_now", "checkpoints_now", "pool_bytes_used", "pool_bytes_total", "disk_bytes",
+                "disk_bytes_total")
 
 
 class Metrics:
@@ -49,7 +53,7 @@ class Metrics:
                                       "requests refused because an identical one was in an engine crash", registry=r)
         self.engine_up = Gauge("strata_engine_up", "1 while an engine is loaded and answering", registry=r)
         self.queue_depth = Gauge("strata_queue_depth", "requests waiting behind the one being served", registry=r)
-        r.register(_ConversationCacheCollector(cache_stats))
+        r.register(_ConversationCacheCollector(cache_stats, scheduler_stats))
         r.register(_SchedulerCollector(scheduler_stats, queued))
         r.register(_ModelCollector(props))
 
@@ -61,10 +65,15 @@ class Metrics:
 
 
 class _ConversationCacheCollector:
-    """Exports the engine's conversation cache counters, when it has a cache."""
+    """Exports the engine's conversation cache counters, when it has a cache:
+    what it did, what it skipped, what it took back after a restart (and
+    discarded, by reason), and its entries by tier (device: finished
+    sequences still resident; ram: snapshots and checkpoints in the staging
+    pool; disk: files of the disk tier)."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]):
+    def __init__(self, stats: Callable[[], dict[str, Any]], scheduler: Callable[[], dict[str, Any]] = dict):
         self._stats = stats
+        self._scheduler = scheduler
 
     def describe(self):
         return []
@@ -83,6 +92,24 @@ class _ConversationCacheCollector:
             kind, _, reason = key.partition(":")
             skipped.add_metric([kind, reason], count)
         yield skipped
+        recovered = CounterMetricFamily("strata_conversation_cache_recovered",
+                                        "entries taken back from the staging pool or the disk at an engine's start",
+                                        labels=["kind"])
+        for kind in ("snapshots", "checkpoints"):
+            recovered.add_metric([kind.removesuffix("s")], stats.get(f"recovered_{kind}", 0))
+        yield recovered
+        rejected = CounterMetricFamily("strata_conversation_cache_rejected",
+                                       "entries found but discarded (cut off, corrupt, another model...), by reason",
+                                       labels=["reason"])
+        for reason, count in sorted(stats.get("rejected_by_reason", {}).items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+        tiers = GaugeMetricFamily("strata_conversation_cache_entries", "cached conversation state by tier",
+                                  labels=["tier"])
+        tiers.add_metric(["device"], self._scheduler().get("resident", 0))
+        tiers.add_metric(["ram"], stats.get("parked_now", 0) + stats.get("checkpoints_now", 0))
+        tiers.add_metric(["disk"], stats.get("disk_entries", 0))
+        yield tiers
         for name in CACHE_GAUGES:
             yield GaugeMetricFamily(f"strata_conversation_cache_{name}", f"conversation cache: {name}",
                                     value=stats.get(name, 0))

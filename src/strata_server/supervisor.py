@@ -19,6 +19,11 @@ stay queued for the next engine. Pongs also say how long the engine's main
 thread has been in one piece of work: past its bound the engine is stuck
 (a kernel, a deadlock) and is killed like a silent one.
 
+The staging pool for parked conversations is the server's: a shared
+segment reserved once at start (``strata_runtime.staging_segment``) and
+handed to every engine child, so a crashed engine's parked conversations
+are taken back by the next one.
+
 On SIGTERM the server drains (``begin_drain``): new requests get 503, those
 accepted are served, and the engine is not restarted if it ends.
 
@@ -39,6 +44,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from strata_runtime.memory import MiB
+from strata_runtime.staging_segment import StagingSegment
 
 from .config import ServerConfig
 from .crash_suspects import CrashSuspects
@@ -105,6 +113,8 @@ class Supervisor:
         self._suspects: list[int] | None = None
         self.crash_suspects = CrashSuspects(config.restart_window_s)
         self.draining = False
+        self.staging: StagingSegment | None = None  # the shared staging pool, reserved at start
+        self.staging_decision: str | None = None
 
     # --- what the HTTP side asks ------------------------------------------
 
@@ -171,8 +181,22 @@ class Supervisor:
     # --- life cycle ------------------------------------------------------------
 
     def start(self) -> None:
+        self._reserve_staging()
         self._task = asyncio.create_task(self._supervise(), name="supervisor")
         self._task.add_done_callback(self._supervisor_ended)
+
+    def _reserve_staging(self) -> None:
+        """The staging pool, reserved here once for every engine this server
+        starts (admitted against the host as the engine would have)."""
+        options = self.config.engine_options
+        mib = options.get("conversation_cache_mib", 1024)
+        if not mib or self.staging is not None:
+            return
+        self.staging, decision = StagingSegment.reserve(
+            mib * MiB, min_free_bytes=options.get("min_free_mib", 1024) * MiB,
+            strict=bool(options.get("strict_conversation_cache", False)))
+        self.staging_decision = decision.message
+        log.info("%s", decision.message)
 
     def _supervisor_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -198,7 +222,8 @@ class Supervisor:
         if proc is not None and proc.returncode is None:
             self._send({"op": "shutdown"})
             try:
-                await asyncio.wait_for(proc.wait(), timeout=5)
+                # It parks what is on the device and finishes its disk writes first (worker.PERSIST_TIMEOUT_S).
+                await asyncio.wait_for(proc.wait(), timeout=30)
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()
@@ -208,6 +233,9 @@ class Supervisor:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.staging is not None:
+            self.staging.close()  # the last descriptor: the memory goes back to the host
+            self.staging = None
         if self.state != "failed":
             self.state = "stopped"
 
@@ -244,15 +272,17 @@ class Supervisor:
 
     async def _run_child(self) -> int:
         """Start one engine process, serve through it until it exits; its exit code."""
+        staging = self.staging
         spec = json.dumps({"model": self.config.model, "options": self.config.engine_options,
-                           "faults": list(self.config.faults), "stall_timeout_s": self.config.stall_timeout_s})
+                           "faults": list(self.config.faults), "stall_timeout_s": self.config.stall_timeout_s,
+                           "staging": None if staging is None else staging.describe()})
         self._last_error, self._hung, self._stuck, self._suspects = None, False, None, None
         # Its own session: a signal to the server's process group (Ctrl-C, a
         # service manager) reaches the server, which stops the engine in order.
         self._proc = proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "strata_server.worker", spec,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            limit=64 << 20, start_new_session=True,
+            limit=64 << 20, start_new_session=True, pass_fds=() if staging is None else (staging.fd,),
         )
         self._last_heard = time.monotonic()
         log.info("engine process %d started", proc.pid)
@@ -364,6 +394,7 @@ class Supervisor:
                 self._kill_stuck(busy, bound, event.get("requests") or [])
         elif kind == "state":
             self.scheduler, self.slots = event.get("scheduler") or {}, event.get("slots") or []
+            self.stats = event.get("stats") or self.stats
         elif kind in ("piece", "done", "error"):
             job = self._in_flight.get(event.get("id"))
             if job is None:

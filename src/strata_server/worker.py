@@ -1,7 +1,9 @@
 """The engine process: one ``Engine``, requests in on stdin, events out.
 
 Run by the supervisor as ``python -m strata_server.worker SPEC`` (SPEC: a
-JSON object with ``model`` and ``options`` for ``strata_runtime.load``). A
+JSON object with ``model`` and ``options`` for ``strata_runtime.load``, and
+``staging``: the shared staging segment the server holds, its descriptor
+passed open). A
 reader thread answers pings and takes cancels at once, even while the main
 thread is generating; the main thread starts each request as it arrives and
 steps the engine's scheduler, every request in flight advancing together,
@@ -264,7 +266,8 @@ class Requests:
 
     def send_state(self) -> None:
         self._state_sent = time.monotonic()
-        self.channel.send(ev="state", scheduler=self.engine.scheduler.stats(), slots=self.engine.scheduler.slots())
+        self.channel.send(ev="state", scheduler=self.engine.scheduler.stats(), slots=self.engine.scheduler.slots(),
+                          stats=self.engine.stats())
 
 
 def _step_tokens(scheduler) -> int:
@@ -287,7 +290,8 @@ def _send_done(channel: Channel, rid: int, engine, completion) -> None:
 
 
 EXIT_FATAL = 70  # EX_SOFTWARE: the engine ended itself after a failure it must not outlive
-IDLE_POLL_S = 0.2  # how often an idle main thread looks at the SIGTERM flag
+IDLE_POLL_S = 0.2
+PERSIST_TIMEOUT_S = 20.0  # how long a stopping engine waits for the disk tier's writes (the supervisor waits longer)  # how often an idle main thread looks at the SIGTERM flag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             _arm(point, rate, kind)
     try:
         from strata_runtime import load
+        from strata_runtime.staging_segment import StagingSegment
 
-        engine = load(spec["model"], progress=False, **spec["options"])
+        # The staging pool the server holds for every engine it starts: what an earlier one parked is taken back.
+        staging = StagingSegment.attach(spec["staging"]) if spec.get("staging") else None
+        engine = load(spec["model"], progress=False, staging=staging, **spec["options"])
         engine.tokenizer.prepare()  # not on the first long request
     except Exception as e:
         log.error("the engine could not start: %s: %s", type(e).__name__, e)
@@ -324,12 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     requests = Requests(engine, channel, cancelled, progress)
     requests.send_state()
     try:
-        return _serve(inbox, requests, stopping)
+        code = _serve(inbox, requests, stopping)
     except Fatal as e:
         log.critical("the engine cannot go on after %s (requests %s were in it); exiting so that the supervisor "
                      "starts a fresh one", e, e.suspects, exc_info=e.cause)
         channel.send(ev="fatal", message=str(e)[:500], suspects=e.suspects)
         return EXIT_FATAL
+    # Stopping on purpose: what is resident on the device is parked, and the disk tier finishes its writes.
+    try:
+        done = engine.persist(timeout=PERSIST_TIMEOUT_S)
+    except Exception:  # stopping anyway: what is already parked and written stays
+        log.exception("engine stopping: parking the conversations on the device failed")
+        return code
+    if engine.conversations is not None and engine.conversations.disk is not None:
+        log.info("engine stopping: conversations parked and %s", "written to disk" if done else
+                 f"not all written to disk within {PERSIST_TIMEOUT_S:.0f} s")
+    return code
 
 
 def _serve(inbox: "queue.Queue[dict | None]", requests: Requests, stopping: threading.Event) -> int:

@@ -197,3 +197,26 @@ def test_a_forward_that_fails_midway_drops_the_state_it_half_wrote(hybrid_file, 
     assert sum(engine.scheduler.pool.free_blocks()) == engine.scheduler.pool.total_blocks()
     again = engine.generate(longer, max_tokens=6, temperature=0).tokens
     assert again == fresh.generate(longer, max_tokens=6, temperature=0).tokens
+
+
+def test_an_engine_started_on_a_dead_ones_staging_segment_continues_its_conversations(hybrid_file):
+    """Issue 26 on a hybrid model: the recurrent state and the checkpoints
+    in the shared pool are taken back and resumed from, token for token."""
+    from strata_runtime.memory import MiB
+    from strata_runtime.staging_segment import StagingSegment
+
+    segment, decision = StagingSegment.reserve(64 * MiB, min_free_bytes=0)
+    assert segment is not None, decision.message
+    script, cold = _script(), _cold_tokens(hybrid_file)
+    try:
+        first = _warm(hybrid_file, staging=segment)
+        for (name, messages), expected in zip(script[:2], cold[:2]):
+            assert first.chat(messages, max_tokens=10, temperature=0).tokens == expected, name
+        del first  # as a crash leaves it: only what was parked, in the segment
+        second = _warm(hybrid_file, staging=segment)
+        assert second.recovered["snapshots"] == 1 and second.recovered["checkpoints"] >= 2, second.recovered
+        for (name, messages), expected in zip(script[2:], cold[2:]):
+            assert second.chat(messages, max_tokens=10, temperature=0).tokens == expected, name
+        assert second.stats()["restored"] >= 1
+    finally:
+        segment.close()

@@ -403,6 +403,9 @@ class ConversationCache:
         self._commit(stored, digest)
         snap = Snapshot(meta.tokens, stored, meta.scope, base=base)
         self.snapshots.append(snap)
+        while len(others := [s for s in self._heads() if s is not snap]) >= self.slots:
+            self._drop_conversation(min(others, key=lambda s: s.last_used), frozenset(snap.chain()))
+            self.counters["evictions"] += 1
         return snap
 
     # --- bookkeeping -------------------------------------------------------------------
@@ -454,7 +457,8 @@ def _describe(outcome: Outcome, seconds: float) -> str:
     if isinstance(outcome, Restored) and outcome.source == "live":
         return f"reused {outcome.position} tokens of the live sequence in {seconds * 1e3:.1f} ms"
     if isinstance(outcome, Restored):
-        return f"restored {outcome.position} tokens from a parked snapshot in {seconds * 1e3:.1f} ms"
+        where = "read back from disk" if outcome.source == "disk" else "parked"
+        return f"restored {outcome.position} tokens from a snapshot {where} in {seconds * 1e3:.1f} ms"
     return f"checkpoint saved at {outcome.position} ({_mib(outcome.bytes)})"
 
 

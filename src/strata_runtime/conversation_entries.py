@@ -26,7 +26,7 @@ class Parked:
 @dataclass(frozen=True)
 class Restored:
     position: int  # the cache now holds positions 0 .. position-1
-    source: str  # "live" (cut back in place) or "parked"
+    source: str  # "live" (cut back in place), "parked" (from RAM) or "disk" (read back from the disk tier first)
 
 
 @dataclass(frozen=True)

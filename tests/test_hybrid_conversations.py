@@ -206,7 +206,7 @@ def test_an_engine_started_on_a_dead_ones_staging_segment_continues_its_conversa
     from strata_runtime.staging_segment import StagingSegment
 
     segment, decision = StagingSegment.reserve(64 * MiB, min_free_bytes=0)
-    assert segment is not None, decision.message
+    assert not segment.refused, decision.message
     script, cold = _script(), _cold_tokens(hybrid_file)
     try:
         first = _warm(hybrid_file, staging=segment)

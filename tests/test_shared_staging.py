@@ -35,7 +35,7 @@ def _turn(question, answer=None):
 @pytest.fixture
 def segment():
     seg, decision = StagingSegment.reserve(32 * MiB, min_free_bytes=0)
-    assert seg is not None, decision.message
+    assert not seg.refused, decision.message
     yield seg
     seg.close()
 
@@ -101,3 +101,14 @@ def test_another_kv_format_rejects_every_entry(model_file, segment):
     assert other.recovered["rejected"] == {"other_model": 2 + len(first.conversations.checkpoints)}
     assert other.recovered["snapshots"] == 0
     assert other.conversations.pool.used_bytes == 0
+
+
+def test_a_refused_segment_leaves_a_cache_that_skips_and_names_the_refusal(model_file):
+    segment, decision = StagingSegment.reserve(32 * MiB, min_free_bytes=1 << 60)  # more than any host has free
+    assert segment.refused and "shrunk to fit: 0 MiB" in decision.message
+    engine = strata_runtime.load(model_file, staging=StagingSegment.attach(segment.describe()), **OPTIONS)
+    for question in QUESTIONS:
+        engine.chat(_turn(question), max_tokens=2, temperature=0)
+    stats = engine.stats()
+    assert stats["skipped_by_reason"]["park:no_pool"] >= 1 and stats["parked_now"] == 0
+    assert "shrunk to fit" in stats["pool_decision"]

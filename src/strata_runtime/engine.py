@@ -283,10 +283,10 @@ class Engine:
         if staging is not None:
             buffer = staging.map()
             pool = StagingPool.over(buffer, staging.page_bytes,
-                                    pinned=self.model.device.type == "cuda" and pin(buffer))
+                                    pinned=self.model.device.type == "cuda" and not staging.refused and pin(buffer))
             self.pool_decision = staging.decision
-            return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every,
-                                     durable=True)
+            return ConversationCache(pool, config.conversation_cache_slots, config.checkpoint_every, durable=True,
+                                     pool_refusal=staging.decision.removeprefix("staging pool: "))
         if config.conversation_cache_mib == 0:
             return None
         pool, decision = StagingPool.reserve(

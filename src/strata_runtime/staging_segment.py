@@ -42,8 +42,11 @@ class StagingSegment:
 
     @classmethod
     def reserve(cls, requested_bytes: int, *, min_free_bytes: int, memory: HostMemory | None = None,
-                page_bytes: int = DEFAULT_PAGE_BYTES, strict: bool = False) -> tuple["StagingSegment | None", PoolDecision]:
-        """Admit and allocate the segment (None where nothing was granted); log the decision."""
+                page_bytes: int = DEFAULT_PAGE_BYTES, strict: bool = False) -> tuple["StagingSegment", PoolDecision]:
+        """Admit and allocate the segment; log the decision. Where nothing
+        was granted the segment is empty (``refused``): an engine given it
+        keeps a conversation cache that skips and counts every park, naming
+        the refusal, as it would had it been refused the pool itself."""
         granted, why, headroom = admit(requested_bytes, min_free_bytes=min_free_bytes, memory=memory,
                                        page_bytes=page_bytes, strict=strict)
         requested = requested_bytes // page_bytes * page_bytes
@@ -55,11 +58,17 @@ class StagingSegment:
                 hint = (" (the shared memory filesystem has no room: raise its size or lower "
                         "--conversation-cache-mib)" if e.errno == errno.ENOSPC else "")
                 granted, why = 0, f"refused: allocating shared memory failed ({e.strerror or e}){hint}"
-        message = describe_decision(why, granted, requested, headroom, min_free_bytes, where=" (shared, kept across engine restarts)")
+        message = describe_decision(why, granted, requested, headroom, min_free_bytes,
+                                    where=" (shared, kept across engine restarts)")
         log.info(message)
-        if segment is not None:
-            segment.decision = message
+        if segment is None:
+            segment = cls(-1, 0, page_bytes, message)
+        segment.decision = message
         return segment, PoolDecision(requested, granted, headroom, min_free_bytes, message)
+
+    @property
+    def refused(self) -> bool:
+        return self.nbytes == 0
 
     @classmethod
     def _allocate(cls, nbytes: int, page_bytes: int) -> "StagingSegment":
@@ -75,12 +84,14 @@ class StagingSegment:
     # --- handing it to an engine process ------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """What a child needs to attach (its ``fd`` passed to it open)."""
+        """What a child needs to attach (its ``fd`` passed to it open; -1 when refused)."""
         return {"fd": self.fd, "bytes": self.nbytes, "page_bytes": self.page_bytes, "decision": self.decision}
 
     @classmethod
     def attach(cls, described: dict[str, Any]) -> "StagingSegment":
         fd, nbytes = int(described["fd"]), int(described["bytes"])
+        if nbytes == 0:
+            return cls(-1, 0, int(described["page_bytes"]), str(described["decision"]))
         size = os.fstat(fd).st_size
         if size != nbytes:
             raise ValueError(f"the staging segment (fd {fd}) holds {size} bytes, {nbytes} were announced")
@@ -89,12 +100,16 @@ class StagingSegment:
     def map(self) -> torch.Tensor:
         """The segment as a flat uint8 tensor, mapped shared and populated
         (so a copy into it never waits on a page fault)."""
+        if self.refused:
+            return torch.empty(0, dtype=torch.uint8)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mapped = mmap.mmap(self.fd, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._mapped = mapped  # the tensor borrows it: keep it while the pool lives
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
     def close(self) -> None:
+        if self.fd < 0:
+            return
         try:
             os.close(self.fd)
         except OSError:

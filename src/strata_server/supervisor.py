@@ -282,7 +282,8 @@ class Supervisor:
         self._proc = proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "strata_server.worker", spec,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            limit=64 << 20, start_new_session=True, pass_fds=() if staging is None else (staging.fd,),
+            limit=64 << 20, start_new_session=True,
+            pass_fds=() if staging is None or staging.refused else (staging.fd,),
         )
         self._last_heard = time.monotonic()
         log.info("engine process %d started", proc.pid)

@@ -198,6 +198,13 @@ def _second(question, answer):
     return _first(question) + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say more."}]
 
 
+@pytest.fixture(scope="module")
+def cold(model_file):
+    """The tokens a cold engine (no conversation cache) answers, loaded once for the module."""
+    engine = strata_runtime.load(model_file, **{**OPTIONS, "conversation_cache_mib": 0})
+    return lambda messages: engine.chat(messages, max_tokens=8, temperature=0).tokens
+
+
 def _engine_that_parked(model_file, directory: Path, **options):
     engine = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **{**OPTIONS, **options})
     answers = [engine.chat(_first(q), max_tokens=8, temperature=0).text for q in QUESTIONS]
@@ -205,23 +212,22 @@ def _engine_that_parked(model_file, directory: Path, **options):
     return engine, answers
 
 
-def test_a_new_engine_restores_conversations_from_disk(model_file, tmp_path):
+def test_a_new_engine_restores_conversations_from_disk(model_file, tmp_path, cold):
     directory = tmp_path / "conversations"
     first, answers = _engine_that_parked(model_file, directory)
     assert first.stats()["disk_spills"] == 2 and len(list(directory.glob("*" + SUFFIX))) == 2
     del first
     second = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **OPTIONS)
     assert second.stats()["disk_entries"] == 2 and second.stats()["parked_now"] == 0
-    cold = strata_runtime.load(model_file, **{**OPTIONS, "conversation_cache_mib": 0})
     for question, answer in zip(QUESTIONS, answers):
         warm = second.chat(_second(question, answer), max_tokens=8, temperature=0)
         assert warm.cached_tokens > 20
-        assert warm.tokens == cold.chat(_second(question, answer), max_tokens=8, temperature=0).tokens
+        assert warm.tokens == cold(_second(question, answer))
     stats = second.stats()
     assert stats["restored_from_disk"] == 2 and stats["disk_reads"] == 2 and stats["disk_read_bytes"] > 0
 
 
-def test_a_corrupt_file_is_rejected_and_the_request_served_cold(model_file, tmp_path):
+def test_a_corrupt_file_is_rejected_and_the_request_served_cold(model_file, tmp_path, cold):
     directory = tmp_path / "conversations"
     first, answers = _engine_that_parked(model_file, directory)
     del first
@@ -230,9 +236,8 @@ def test_a_corrupt_file_is_rejected_and_the_request_served_cold(model_file, tmp_
         raw[-10] ^= 0x01
         path.write_bytes(raw)
     second = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **OPTIONS)
-    cold = strata_runtime.load(model_file, **{**OPTIONS, "conversation_cache_mib": 0})
     warm = second.chat(_second(QUESTIONS[0], answers[0]), max_tokens=8, temperature=0)
-    assert warm.tokens == cold.chat(_second(QUESTIONS[0], answers[0]), max_tokens=8, temperature=0).tokens
+    assert warm.tokens == cold(_second(QUESTIONS[0], answers[0]))
     stats = second.stats()
     assert stats["rejected_by_reason"].get("corrupt", 0) >= 1 and stats.get("restored_from_disk", 0) == 0
     assert stats["skipped_by_reason"].get("disk_read:disk_corrupt", 0) >= 1
@@ -248,9 +253,8 @@ def test_another_kv_format_rejects_every_file(model_file, tmp_path):
 
 
 @pytest.mark.parametrize("point", ["disk_write", "disk_read"])
-def test_faults_at_the_disk_points_skip_and_the_request_is_served(model_file, tmp_path, point):
+def test_faults_at_the_disk_points_skip_and_the_request_is_served(model_file, tmp_path, point, cold):
     directory = tmp_path / "conversations"
-    cold = strata_runtime.load(model_file, **{**OPTIONS, "conversation_cache_mib": 0})
     with inject_fault(point) as fault:  # out of memory (the default kind) on every call
         first, answers = _engine_that_parked(model_file, directory)
         if point == "disk_read":
@@ -258,7 +262,7 @@ def test_faults_at_the_disk_points_skip_and_the_request_is_served(model_file, tm
             first = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **OPTIONS)
         warm = first.chat(_second(QUESTIONS[0], answers[0]), max_tokens=8, temperature=0)
     assert fault.fired > 0
-    assert warm.tokens == cold.chat(_second(QUESTIONS[0], answers[0]), max_tokens=8, temperature=0).tokens
+    assert warm.tokens == cold(_second(QUESTIONS[0], answers[0]))
     stats = first.stats()
     if point == "disk_write":
         assert stats["skipped_by_reason"]["spill:write_error"] == 2 and stats["disk_entries"] == 0

@@ -244,6 +244,13 @@ class Supervisor:
             code = await self._run_child()
             self.last_exit = self._describe_exit(code)
             if self._stopping or self.draining:
+                if self._suspects:
+                    # The engine named requests in a failure before it ended: the crash, not the stop, ended
+                    # them (a stop that came with the crash, as torchrun stops every rank when one dies).
+                    others = {i: j for i, j in self._in_flight.items() if i not in self._suspects}
+                    self._in_flight = {i: j for i, j in self._in_flight.items() if i in self._suspects}
+                    self._settle_in_flight()
+                    self._in_flight = others
                 self._fail_jobs(unavailable("the server is shutting down; retry shortly", "server_stopping"))
                 return
             self._settle_in_flight()

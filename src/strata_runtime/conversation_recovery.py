@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import parked_entry as entry
+from .conversation_entries import Checkpoint, Snapshot, Stored
 from .parked_entry import EntryMeta, EntryRejected
 from .memory import MiB
 from .staging import Lease, StagingPool
@@ -109,8 +110,6 @@ def take_back(cc, fingerprint: str, row_bytes: dict[tuple[int, str], int]) -> di
     start) what a dead engine left in its shared pool: every entry
     ``recover_entries`` finds whose base is taken back too; log one line
     with the counts; return them."""
-    from .conversation_entries import Checkpoint, Snapshot, Stored
-
     if cc.snapshots or cc.checkpoints:
         raise RuntimeError("entries are taken back into an empty conversation cache only")
     cc.fingerprint = fingerprint

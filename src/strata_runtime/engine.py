@@ -239,7 +239,8 @@ class Engine:
         self.conversations = self._reserve_conversation_cache(config, memory, staging)
         self.scheduler = self._reserve_scheduler(config, memory)
         self.recovered: dict[str, Any] | None = None  # what was taken back from a shared staging pool
-        if self.conversations is not None:
+        # Only state that outlives this engine needs a fingerprint (it reads the model file's header and samples).
+        if self.conversations is not None and (staging is not None or config.conversation_cache_dir is not None):
             self.conversations.fingerprint = self.state_fingerprint()
             if staging is not None:
                 self.recovered = self.conversations.recover(self.conversations.fingerprint,

@@ -114,7 +114,6 @@ class Supervisor:
         self.crash_suspects = CrashSuspects(config.restart_window_s)
         self.draining = False
         self.staging: StagingSegment | None = None  # the shared staging pool, reserved at start
-        self.staging_decision: str | None = None
 
     # --- what the HTTP side asks ------------------------------------------
 
@@ -195,7 +194,6 @@ class Supervisor:
         self.staging, decision = StagingSegment.reserve(
             mib * MiB, min_free_bytes=options.get("min_free_mib", 1024) * MiB,
             strict=bool(options.get("strict_conversation_cache", False)))
-        self.staging_decision = decision.message
         log.info("%s", decision.message)
 
     def _supervisor_ended(self, task: asyncio.Task) -> None:

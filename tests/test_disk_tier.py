@@ -32,10 +32,10 @@ FP = "e" * 64
 PAGE = 4096
 
 
-def _entry(pool: StagingPool, tier: DiskTier, name: str, payload: bytes) -> EntryMeta:
+def _entry(pool: StagingPool, tier: DiskTier, name: str, payload: bytes, scope: str = "s") -> EntryMeta:
     """Put ``payload`` in the pool as a committed entry and spill it; its meta."""
     meta = EntryMeta("snapshot", name, tuple(range(len(payload) // 64)), ((0, "k", 0, len(payload) // 64, 0),),
-                     len(payload), FP, scope="s")
+                     len(payload), FP, scope=scope)
     header = entry.header_bytes(meta, entry.pages_needed(meta, PAGE))
     lease = pool.lease(header + len(payload))
     lease.write(header, payload)
@@ -73,10 +73,11 @@ def written(tmp_path):
 def test_files_are_private_complete_and_read_back(written):
     directory, metas = written
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / FP).stat().st_mode) == 0o700
     for meta in metas:
-        path = directory / (meta.id + SUFFIX)
+        path = directory / FP / (meta.id + SUFFIX)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert not list(directory.glob("*.tmp"))
+    assert not list(directory.glob("*/*.tmp"))
     pool = StagingPool(64, PAGE)
     tier = DiskTier(directory, 1 * MiB, FP)
     assert sorted(tier.entries) == ["id0", "id1", "id2"]
@@ -94,7 +95,7 @@ def test_damaged_files_are_always_rejected_and_removed(tmp_path_factory, data):
     metas = [_entry(pool, tier, f"id{i}", p) for i, p in enumerate(PAYLOADS)]
     assert tier.flush(10)
     tier.close()
-    paths = [directory / (m.id + SUFFIX) for m in metas]
+    paths = [directory / FP / (m.id + SUFFIX) for m in metas]
     damage = data.draw(st.sampled_from(["flip", "truncate", "swap", "version", "append"]))
     victim = data.draw(st.integers(0, len(paths) - 1))
     raw = bytearray(paths[victim].read_bytes())
@@ -131,13 +132,17 @@ def test_damaged_files_are_always_rejected_and_removed(tmp_path_factory, data):
         fresh.close()
 
 
-def test_another_model_and_leftover_temporary_files_are_removed(written):
+def test_another_model_leaves_the_files_alone_and_leftover_temporary_files_are_removed(written):
     directory, metas = written
-    (directory / "half.tmp").write_bytes(b"cut off")
+    (directory / FP / "half.tmp").write_bytes(b"cut off")
     other = DiskTier(directory, 1 * MiB, "0" * 64)
-    assert other.entries == {} and other.rejected == {"other_model": 3, "cut_off": 1}
-    assert list(directory.iterdir()) == []
+    assert other.entries == {} and other.rejected == {} and len(other.foreign) == 3
     other.close()
+    assert len(list((directory / FP).glob("*" + SUFFIX))) == 3  # left for their model
+    again = DiskTier(directory, 1 * MiB, FP)
+    assert sorted(again.entries) == ["id0", "id1", "id2"] and again.rejected == {"cut_off": 1}
+    assert not (directory / FP / "half.tmp").exists()
+    again.close()
 
 
 def test_a_full_disk_skips_the_spill_and_the_budget_evicts_the_oldest(tmp_path):
@@ -146,12 +151,12 @@ def test_a_full_disk_skips_the_spill_and_the_budget_evicts_the_oldest(tmp_path):
     with inject_fault("disk_write", exc=OSError(28, "No space left on device")):
         _entry(pool, tier, "full", PAYLOADS[0])
         assert tier.flush(10)
-    assert tier.skipped == {"no_space": 1} and tier.entries == {}
+    assert tier.skipped == {"spill:no_space": 1} and tier.entries == {}
     for i in range(3):
         _entry(pool, tier, f"e{i}", PAYLOADS[0])
         assert tier.flush(10)
     assert sorted(tier.entries) == ["e1", "e2"] and tier.counters["disk_evictions"] == 1
-    assert not (tmp_path / "d" / ("e0" + SUFFIX)).exists()
+    assert not (tmp_path / "d" / FP / ("e0" + SUFFIX)).exists()
     tier.close()
 
 
@@ -169,7 +174,7 @@ def test_a_slow_disk_skips_spills_instead_of_queueing_them_all(tmp_path, monkeyp
         assert tier.flush(30)
     # The first is being written while two wait: the last two find the queue full and are skipped.
     assert [s is not None for s in spilled] == [True, True, True, False, False]
-    assert tier.skipped == {"disk_slow": 2} and sorted(tier.entries) == ["s0", "s1", "s2"]
+    assert tier.skipped == {"spill:disk_slow": 2} and sorted(tier.entries) == ["s0", "s1", "s2"]
     tier.close()
 
 
@@ -215,8 +220,8 @@ def _engine_that_parked(model_file, directory: Path, **options):
 def test_a_new_engine_restores_conversations_from_disk(model_file, tmp_path, cold):
     directory = tmp_path / "conversations"
     first, answers = _engine_that_parked(model_file, directory)
-    assert first.stats()["disk_spills"] == 2 and len(list(directory.glob("*" + SUFFIX))) == 2
-    del first
+    assert first.stats()["disk_spills"] == 2 and len(list(directory.glob("*/*" + SUFFIX))) == 2
+    first.close()  # lets go of the directory, as a stopped server does
     second = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **OPTIONS)
     assert second.stats()["disk_entries"] == 2 and second.stats()["parked_now"] == 0
     for question, answer in zip(QUESTIONS, answers):
@@ -230,8 +235,8 @@ def test_a_new_engine_restores_conversations_from_disk(model_file, tmp_path, col
 def test_a_corrupt_file_is_rejected_and_the_request_served_cold(model_file, tmp_path, cold):
     directory = tmp_path / "conversations"
     first, answers = _engine_that_parked(model_file, directory)
-    del first
-    for path in directory.glob("*" + SUFFIX):  # a byte of every payload flipped: headers hold, payloads do not
+    first.close()
+    for path in directory.glob("*/*" + SUFFIX):  # a byte of every payload flipped: headers hold, payloads do not
         raw = bytearray(path.read_bytes())
         raw[-10] ^= 0x01
         path.write_bytes(raw)
@@ -243,13 +248,15 @@ def test_a_corrupt_file_is_rejected_and_the_request_served_cold(model_file, tmp_
     assert stats["skipped_by_reason"].get("disk_read:disk_corrupt", 0) >= 1
 
 
-def test_another_kv_format_rejects_every_file(model_file, tmp_path):
+def test_another_kv_format_leaves_every_file_for_its_own(model_file, tmp_path):
     directory = tmp_path / "conversations"
     first, _ = _engine_that_parked(model_file, directory)
-    del first
+    first.close()
     other = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **{**OPTIONS, "kv": "int8"})
-    assert other.stats()["rejected_by_reason"] == {"other_model": 2} and other.stats()["disk_entries"] == 0
-    assert list(directory.glob("*" + SUFFIX)) == []
+    stats = other.stats()
+    assert stats["rejected_by_reason"] == {} and stats["disk_entries"] == 0 and stats["disk_foreign_entries"] == 2
+    other.close()
+    assert len(list(directory.glob("*/*" + SUFFIX))) == 2
 
 
 @pytest.mark.parametrize("point", ["disk_write", "disk_read"])
@@ -258,7 +265,7 @@ def test_faults_at_the_disk_points_skip_and_the_request_is_served(model_file, tm
     with inject_fault(point) as fault:  # out of memory (the default kind) on every call
         first, answers = _engine_that_parked(model_file, directory)
         if point == "disk_read":
-            del first
+            first.close()
             first = strata_runtime.load(model_file, conversation_cache_dir=str(directory), **OPTIONS)
         warm = first.chat(_second(QUESTIONS[0], answers[0]), max_tokens=8, temperature=0)
     assert fault.fired > 0

@@ -19,16 +19,21 @@ import torch
 from . import parked_entry as entry
 from .conversation_entries import (Checkpoint, Outcome, Parked, Restored, Saved, Skipped, Snapshot, Stored,
                                    common_prefix, copy_parts, plan_parts)
+from .conversation_disk import disk_stats, load_from_disk
 from .conversation_recovery import take_back
-from .disk_tier import DiskEntry, DiskTier
+from .disk_tier import DiskEntry, DiskTier, Spill
 from .faults import describe, is_out_of_memory
 from .kv_cache import KVCache
 from .memory import MiB
-from .parked_entry import EntryMeta, EntryRejected, scope_digest
+from .parked_entry import EntryMeta, EntryRejected, owner_digest, scope_digest
 from .staging import Lease, StagingPool
 from .testing import fault_point
 
 log = logging.getLogger(__name__)
+
+# Making room in the pool waits at most this long for the disk writer to let go
+# of a snapshot's pages: far less than prefilling a long conversation again.
+SPILL_WAIT_S = 10.0
 
 
 class ConversationCache:
@@ -63,6 +68,10 @@ class ConversationCache:
         # only then is each payload hashed, so a reader can check it.
         self.durable = durable
         self.disk: DiskTier | None = None  # the disk tier, once ``use_disk`` gives one
+        self.disk_refusal: str | None = None  # why a disk tier asked for could not be used
+        self._leaving: list[Spill] = []  # spills of entries dropped from RAM, until the writer finishes them
+        # How long making room may wait for the disk writer to finish a snapshot it still reads.
+        self.spill_wait_s = SPILL_WAIT_S
         # Copies between a GPU cache and the (pinned) pool run on their own
         # stream, so they overlap other work instead of queueing behind it.
         self._copy_stream = torch.cuda.Stream() if pool.pinned and torch.cuda.is_available() else None
@@ -96,12 +105,19 @@ class ConversationCache:
         return None
 
     def _lease(self, nbytes: int, what: str, evict_snapshots: bool, keep: frozenset = frozenset()) -> Lease | Skipped:
+        """Pages for ``nbytes``, evicting what may be evicted (never ``keep``)
+        only where that makes enough room: nothing is evicted for a lease
+        that would fail anyway."""
         if self.pool.total_bytes == 0:
             return Skipped(f"no staging pool: {self.pool_refusal}", "no_pool")
         if nbytes > self.pool.total_bytes:
             return Skipped(f"staging pool: {what} needs {_mib(nbytes)}, the whole pool is {_mib(self.pool.total_bytes)}",
                            "too_large")
+        short = self._shortfall(self.pool.pages_for(nbytes), evict_snapshots, keep)
+        if short:
+            return Skipped(short, "pool_full")
         evicted = 0
+        deadline = time.monotonic() + self.spill_wait_s
         while True:
             try:
                 fault_point("staging_lease")
@@ -114,27 +130,82 @@ class ConversationCache:
                 if evicted:
                     self.counters["evictions"] += evicted
                 return lease
-            if not self._evict_one(evict_snapshots, keep):
-                return Skipped(f"staging pool: need {_mib(nbytes)}, {_mib(self.pool.free_bytes)} free "
-                               f"after evicting {evicted}", "pool_full")
-            evicted += 1
+            step = self._evict_one(evict_snapshots, keep, deadline)
+            if isinstance(step, Skipped):
+                if evicted:
+                    self.counters["evictions"] += evicted
+                return step
+            evicted += step == "evicted"
 
-    def _evict_one(self, evict_snapshots: bool, keep: frozenset = frozenset()) -> bool:
+    def _shortfall(self, pages: int, evict_snapshots: bool, keep: frozenset) -> str | None:
+        """Why ``pages`` cannot be had even after evicting all that may be
+        evicted and waiting for the disk writer; None where they can."""
+        free = self.pool.free_bytes // self.pool.page_bytes
+        evictable = sum(len(item.stored.lease.pages) for item in self._evictable(evict_snapshots, keep))
+        writing = sum(s.pages for s in self._leaving_ram())
+        if pages <= free + evictable + writing:
+            return None
+        return (f"staging pool: need {_mib(pages * self.pool.page_bytes)}, {_mib(free * self.pool.page_bytes)} free "
+                f"and {_mib((evictable + writing) * self.pool.page_bytes)} more that eviction could free; "
+                "nothing evicted")
+
+    def _evictable(self, evict_snapshots: bool, keep: frozenset) -> list[Snapshot | Checkpoint]:
+        """Everything repeated evictions may free: non-root checkpoints and
+        (when a snapshot is asking) every snapshot outside ``keep``, whose
+        chains ``keep`` holds whole."""
+        items: list = [c for c in self.checkpoints if not c.root and c not in keep]
+        return items + [s for s in self.snapshots if s not in keep] if evict_snapshots else items
+
+    def _leaving_ram(self) -> list[Spill]:
+        """Spills of entries that left RAM, still being written (the writer frees their pages)."""
+        self._leaving = [s for s in self._leaving if not s.finished.is_set()]
+        return self._leaving
+
+    def _evict_one(self, evict_snapshots: bool, keep: frozenset, deadline: float) -> str | Skipped:
         """Free the least recently used non-root checkpoint or (when a
-        snapshot is asking) parked conversation, never one in ``keep``. A
-        checkpoint never displaces a parked conversation: that would trade
-        a whole conversation for a shortcut."""
+        snapshot is asking) parked conversation, never one in ``keep``
+        ("evicted"). A checkpoint never displaces a parked conversation:
+        that would trade a whole conversation for a shortcut. A victim
+        whose pages the disk writer still reads frees nothing now, and its
+        file may be its only copy to come: the writer is waited for
+        ("waited"; ``Skipped`` past ``deadline``), never cut off."""
         victims = [c for c in self.checkpoints if not c.root and c not in keep]
         if evict_snapshots:
             victims += [s for s in self._heads() if s not in keep]
-        if not victims:
-            return False
-        victim = min(victims, key=lambda x: x.last_used)
-        if isinstance(victim, Snapshot):
-            self._drop_conversation(victim, keep)
-        else:
-            self._drop(victim)
-        return True
+        writing = {id(v): [m.stored.spill for m in self._members_dropped(v, keep)
+                           if m.stored.spill is not None and not m.stored.spill.finished.is_set()] for v in victims}
+        ready = [v for v in victims if not writing[id(v)]]
+        if ready:
+            victim = min(ready, key=lambda x: x.last_used)
+            if isinstance(victim, Snapshot):
+                self._drop_conversation(victim, keep)
+            else:
+                self._drop(victim)
+            return "evicted"
+        spills = [s for v in victims for s in writing[id(v)]] + self._leaving_ram()
+        if not spills:
+            return Skipped(f"staging pool: {_mib(self.pool.free_bytes)} free and nothing more to evict", "pool_full")
+        first = min(spills, key=lambda s: s.order)  # the writer takes them in this order
+        t0 = time.monotonic()
+        if not first.finished.wait(max(0.0, deadline - t0)):
+            self.counters["spill_waits_timed_out"] += 1
+            return Skipped(f"staging pool: the disk writer still holds the pages eviction would free after "
+                           f"{self.spill_wait_s:.0f} s", "disk_writing")
+        self.counters["spill_waits"] += 1
+        self.counters["spill_wait_seconds"] += time.monotonic() - t0
+        return "waited"
+
+    def _members_dropped(self, item: Snapshot | Checkpoint, keep: frozenset) -> list[Snapshot | Checkpoint]:
+        """What evicting ``item`` drops: a checkpoint itself; a snapshot, with
+        the bases nothing else extends (as ``_drop_conversation``)."""
+        if not isinstance(item, Snapshot):
+            return [item]
+        out: list[Snapshot] = []
+        while (item is not None and item not in keep
+               and not any(s.base is item and s not in out for s in self.snapshots)):
+            out.append(item)
+            item = item.base
+        return out
 
     def _heads(self) -> list[Snapshot]:
         """The snapshots no other extends: one per parked conversation (or branch of one)."""
@@ -156,22 +227,31 @@ class ConversationCache:
             self.snapshots.remove(item)
         else:
             self.checkpoints.remove(item)
-        item.stored.lease.write(0, entry.cleared_flag())  # no later reader takes the pages for an entry
-        if item.stored.spill is not None:
-            item.stored.spill.abandon()  # released now, or by the disk writer once it lets go of the pages
-        else:
-            self.pool.release(item.stored.lease)
+        spill = item.stored.spill
+        if spill is None:
+            self._free(item.stored.lease)
+        elif not spill.leave_ram(self._free):
+            self._leaving.append(spill)  # its file may be the conversation's only copy to come: finished, not cut off
+
+    def _free(self, lease: Lease) -> None:
+        """Give a dropped entry's pages back (on the disk writer's thread
+        where it was still writing them); the header is cleared first, so no
+        later reader of a shared pool takes the pages for an entry."""
+        lease.write(0, entry.cleared_flag())
+        self.pool.release(lease)
 
     # --- storing ranges of a cache --------------------------------------------
 
     def _store(self, cache: KVCache, layers, point: str, what: str, tokens: tuple[int, ...], scope: str,
-               keep: frozenset = frozenset(), base: Snapshot | None = None, root: bool = False) -> Stored | Skipped:
+               keep: frozenset = frozenset(), base: Snapshot | None = None, root: bool = False,
+               owner: str = "") -> Stored | Skipped:
         """Copy ``layers`` of ``cache`` into a new lease behind a header that
         names them; commit the header once every byte is in (the flag last)."""
         parts, payload = plan_parts(cache, layers)
         meta = EntryMeta(kind="checkpoint" if point == "checkpoint_copy" else "snapshot", id=uuid.uuid4().hex,
                          tokens=tokens, parts=tuple(parts), payload_bytes=payload, fingerprint=self.fingerprint,
-                         scope=scope, base=None if base is None else base.stored.id, root=root, created=time.time())
+                         scope=scope, base=None if base is None else base.stored.id, root=root, created=time.time(),
+                         owner=owner)
         n_pages = entry.pages_needed(meta, self.pool.page_bytes)
         header = entry.header_bytes(meta, n_pages)
         lease = self._lease(header + payload, what, evict_snapshots=point == "park_copy", keep=keep)
@@ -208,7 +288,7 @@ class ConversationCache:
         """Copy the live sequence (``tokens``, all in ``cache``, computed for a
         request of ``scope``) into the pool."""
         tokens = tuple(tokens[:cache.length])
-        scope = scope_digest(scope)
+        owner, scope = owner_digest(scope), scope_digest(scope)
         # Nothing to do is not a failure: neither logged as one nor counted as skipped.
         if len(tokens) < self.min_park_tokens:
             return Skipped(f"not parked ({len(tokens)} tokens is too short to be worth it)", "not_needed")
@@ -226,7 +306,8 @@ class ConversationCache:
         while len(others := [s for s in self._heads() if s is not base]) >= self.slots:
             self._drop_conversation(min(others, key=lambda s: s.last_used), keep)
             self.counters["evictions"] += 1
-        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot", tokens, scope, keep, base)
+        stored = self._store(cache, layers, "park_copy", f"a {len(tokens)}-token snapshot", tokens, scope, keep, base,
+                             owner=owner)
         if isinstance(stored, Skipped):
             return self._record(Skipped(f"skip parking ({stored.reason})", stored.cause), "park")
         self.snapshots.append(Snapshot(tokens, stored, scope, base=base))
@@ -315,7 +396,7 @@ class ConversationCache:
             if not isinstance(snap, DiskEntry):
                 break
             # The best is on disk only: read it back into the pool, or (skipped) plan again without it.
-            loaded = self._load_from_disk(snap, frozenset([cp] if cp else []))
+            loaded = load_from_disk(self, snap, frozenset([cp] if cp else []))
             if isinstance(loaded, Skipped):
                 self._record(Skipped(f"restore from disk skipped ({loaded.reason})", loaded.cause), "disk_read")
                 tried.add(snap.meta.id)
@@ -371,43 +452,6 @@ class ConversationCache:
                 snap.stored.spill = disk.spill(snap.stored.meta, snap.stored.lease, snap.stored.header,
                                                prefix.payload_hash)
 
-    def _load_from_disk(self, found: DiskEntry, keep: frozenset) -> Snapshot | Skipped:
-        """``found`` (and the bases it extends that RAM lacks) read back into
-        pool pages and committed there, as a parked snapshot."""
-        meta = found.meta
-        base = None
-        if meta.base is not None:
-            base = next((s for s in self.snapshots if s.stored.id == meta.base), None)
-            if base is None:
-                on_disk = next((e for e in self.disk.snapshot_metas() if e.meta.id == meta.base), None)
-                base = None if on_disk is None else self._load_from_disk(on_disk, keep)
-                if not isinstance(base, Snapshot):
-                    if on_disk is None:
-                        self.disk.forget(meta.id, "orphan")
-                    return base if isinstance(base, Skipped) else Skipped("the snapshot it extends is gone", "orphan")
-            keep = keep | frozenset(base.chain())
-        header = entry.header_bytes(meta, entry.pages_needed(meta, self.pool.page_bytes))
-        lease = self._lease(header + meta.payload_bytes, f"a {len(meta.tokens)}-token snapshot from disk",
-                            evict_snapshots=True, keep=keep)
-        if isinstance(lease, Skipped):
-            return lease
-        lease.write(0, entry.encode_header(meta, lease.pages))
-        try:
-            digest = self.disk.read_into(found, lease, header)
-        except Exception as e:  # the file was wrong (removed, counted) or reading failed (kept): skipped either way
-            lease.write(0, entry.cleared_flag())
-            self.pool.release(lease)
-            cause = f"disk_{e.cause}" if isinstance(e, EntryRejected) else "disk_read_failed"
-            return Skipped(f"reading {found.path.name} failed: {describe(e)}", cause)
-        stored = Stored(lease, meta, header)
-        self._commit(stored, digest)
-        snap = Snapshot(meta.tokens, stored, meta.scope, base=base)
-        self.snapshots.append(snap)
-        while len(others := [s for s in self._heads() if s is not snap]) >= self.slots:
-            self._drop_conversation(min(others, key=lambda s: s.last_used), frozenset(snap.chain()))
-            self.counters["evictions"] += 1
-        return snap
-
     # --- bookkeeping -------------------------------------------------------------------
 
     def _record(self, outcome: Outcome, kind: str, seconds: float = 0.0) -> Outcome:
@@ -420,13 +464,6 @@ class ConversationCache:
             self.counters[done[kind]] += 1
             log.info("conversation cache: %s; %s", _describe(outcome, seconds), self._summary())
         return outcome
-
-    def _disk_stats(self) -> dict[str, Any]:
-        disk = self.disk
-        skipped = {f"spill:{cause}": n for cause, n in disk.skipped.items()}
-        return {**disk.counters, "disk_entries": len(disk.snapshot_metas()), "disk_bytes": disk.used_bytes,
-                "disk_bytes_total": disk.budget_bytes, "spill_skipped": sum(disk.skipped.values()),
-                "skipped_by_reason": {**self.skipped_by_reason, **skipped}}
 
     def _summary(self) -> str:
         return (f"parked={len(self.snapshots)} checkpoints={len(self.checkpoints)} "
@@ -443,7 +480,7 @@ class ConversationCache:
             **self.counters,
             "skipped_by_reason": dict(self.skipped_by_reason),
             "rejected_by_reason": dict(self.rejected_by_reason + (self.disk.rejected if self.disk else Counter())),
-            **(self._disk_stats() if self.disk is not None else {}),
+            **disk_stats(self),
             "parked_now": len(self.snapshots),
             "checkpoints_now": len(self.checkpoints),
             "pool_bytes_used": self.pool.used_bytes,

@@ -49,10 +49,14 @@ CAUSES = {
     "no_pool": "the staging pool was refused at start (telemetry unknown, no room, or strict)",
     "too_large": "larger than the whole staging pool",
     "no_blocks": "no free KV blocks on the device to restore into",
-    "pool_full": "not enough free pages even after evicting what may be evicted",
+    "pool_full": "not enough free pages even after evicting what may be evicted (nothing is evicted then)",
+    "disk_writing": "the pages eviction would free were still being written to disk past the wait's bound",
+    "orphan": "a snapshot on disk whose base is gone",
     "lease_failed": "taking pages from the pool ran out of memory",
     "out_of_memory": "the copy ran out of memory",
     "no_running_state": "the model has no running state to checkpoint",
+    "disk_<reject cause>": "a file of the disk tier found wrong on reading it back (parked_entry.REJECT_CAUSES)",
+    "disk_read_failed": "reading a file of the disk tier failed (the file is kept)",
     "not_needed": "nothing to do (too short, already parked); neither logged nor counted",
 }
 

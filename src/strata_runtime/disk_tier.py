@@ -2,26 +2,34 @@
 a server started again on the same directory restores the conversations it
 had, and conversations evicted from RAM come back from disk.
 
-Every entry committed to the staging pool is queued for a background writer
-(write-through: by the time RAM evicts an entry it is usually on disk
-already, so eviction never waits on a disk). The writer writes
-``<id>.tmp`` (mode 0600), fsyncs it and renames it to ``<id>.entry``: a
-file of that name is complete. The file is the entry's header (without a
-page list) and its payload, read straight from the pool's pages. A full
-disk, a write error or a queue too long for the disk (a slow disk): the
-spill is skipped, logged and counted; nothing waits on it.
+Every snapshot committed to the staging pool is queued for a background
+writer (write-through: by the time RAM wants an entry's pages it is usually
+on disk already). The writer creates ``<id>.tmp`` (0600, never through a
+symlink), fsyncs it and renames it to ``<id>.entry``: a file of that name is
+complete. The file is the entry's header (without a page list) and its
+payload, read straight from the pool's pages. A full disk, a write error or
+a queue too long for the disk (a slow disk): the spill is skipped, logged
+and counted; nothing waits on it. A spill the writer has not finished when
+the tier closes is abandoned, and counted.
 
-At start the index is rebuilt from the files' headers: leftover ``.tmp``
-files, and files of another model, another format version, cut short or
-whose header does not parse, are removed and counted. A file's payload hash
-is checked when it is read back, into pool pages (never into fresh host
-memory); one that fails is removed and counted, and the request is served
-from what else there is. Over ``budget_bytes``, the least recently used
-files go first.
+The directory (``cache_directory``) is locked by one user and split by
+model: this tier reads only its own model's subdirectory. At start the index
+is rebuilt from its files' headers: leftover ``.tmp`` files, and files cut
+short or whose header does not parse are removed and counted; what is not a
+regular file, or cannot be removed, is left, logged and counted: the disk
+tier is an optimization and never stops an engine from starting. Another
+model's files are left alone, but count against the budget. A read checks
+the file's whole header against the index and its payload hash, on one
+descriptor, reading into pool pages (never into fresh host memory); a file
+that fails is removed and counted, and the request is served from what
+else there is. Over ``budget_bytes``, the least recently used files go
+first.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
 import os
 import queue
@@ -30,8 +38,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from . import cache_directory as dirs
 from . import parked_entry as entry
+from .cache_directory import DirectoryRefused, NotRegular
 from .faults import describe
 from .memory import MiB
 from .parked_entry import EntryMeta, EntryRejected
@@ -42,17 +53,21 @@ log = logging.getLogger(__name__)
 
 SUFFIX, TMP_SUFFIX = ".entry", ".tmp"
 MAX_QUEUED = 64  # spills waiting for the writer; past this the disk is too slow and spills are skipped
+_REMOVED_ON_READ = ("corrupt", "truncated", "version", "changed")  # the file's own fault: removed
+
+__all__ = ["DiskEntry", "DiskTier", "DirectoryRefused", "Spill", "SUFFIX", "TMP_SUFFIX"]
 
 
 @dataclass
 class DiskEntry:
-    """A complete file of the directory: ``meta`` from its header (trusted
-    as far as the header's hash and the fingerprint go; the payload's hash
-    is checked on read)."""
+    """A complete file of this model's subdirectory: ``meta`` and
+    ``payload_hash`` from its header as indexed (a read checks the file
+    still holds exactly that header)."""
 
     meta: EntryMeta
     path: Path
     nbytes: int
+    payload_hash: int
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -65,140 +80,237 @@ class DiskEntry:
 
 
 @dataclass
-class _Spill:
-    """A committed entry's lease lent to the writer. Invariant: while
-    ``done`` is unset the writer may read the lease; whoever drops the entry
-    meanwhile sets ``abandoned`` and the writer releases the lease."""
+class _ForeignFile:
+    """Another model's file (or one of the older, flat layout): never read,
+    evicted by the budget like any other."""
+
+    path: Path
+    nbytes: int
+    last_used: float
+
+
+_spill_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Spill:
+    """A committed entry's lease lent to the writer.
+
+    Invariant: until ``finished`` is set the writer may read the lease and
+    nobody releases it. The entry may leave RAM meanwhile (``leave_ram``):
+    its lease is then freed by the writer once it is finished, so a
+    snapshot whose only durable copy is being written is finished, not
+    dropped. ``written``: its file is complete. ``order`` rises with each
+    spill queued (the writer takes them in that order)."""
 
     meta: EntryMeta
     lease: Lease
     header: int
     payload_hash: int
-    done: bool = False
+    order: int = field(default_factory=lambda: next(_spill_order))
+    finished: threading.Event = field(default_factory=threading.Event)
+    written: bool = False
     abandoned: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    _free: Callable[[Lease], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def abandon(self) -> None:
-        """The entry is dropped from RAM: its lease is released now if the
-        writer is done with it, else by the writer when it stops."""
-        with self.lock:
-            self.abandoned = True
-            release = self.done
-        if release:
-            self.lease.pool.release(self.lease)
+    @property
+    def pages(self) -> int:
+        return len(self.lease.pages)
 
-    def _finish(self) -> None:
-        with self.lock:
-            self.done = True
-            release = self.abandoned
-        if release:
-            self.lease.pool.release(self.lease)
+    def leave_ram(self, free: Callable[[Lease], None]) -> bool:
+        """The entry leaves RAM: ``free`` its lease now (True) if the writer is
+        done with it, else the writer calls it when it is (False)."""
+        with self._lock:
+            if not self.finished.is_set():
+                self._free = free
+                return False
+        free(self.lease)
+        return True
+
+    def _finish(self, written: bool) -> None:
+        with self._lock:
+            self.written = written
+            self.finished.set()
+            free, self._free = self._free, None
+        if free is not None:
+            free(self.lease)
 
 
 class DiskTier:
-    """The files of one directory, and the thread that writes them.
+    """The files of one model's subdirectory, and the thread that writes them.
 
-    Invariant: ``entries`` holds every complete file of this model in the
-    directory (by entry id), and their bytes add up to ``used_bytes`` <=
-    ``budget_bytes`` (after each write); ``counters`` count every spill,
-    read, skip and rejection."""
+    Invariant: ``entries`` holds every complete file of this model's
+    subdirectory (by entry id) and ``foreign`` every other model's; their
+    bytes add up to at most ``budget_bytes`` (after each write); ``counters``,
+    ``rejected`` and ``skipped`` count every spill, read, rejection and skip.
+    While the tier is open its process holds the directory's lock."""
 
-    def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str, max_queued: int = MAX_QUEUED):
-        self.directory = Path(directory)
+    def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str, max_queued: int = MAX_QUEUED,
+                 lock_fd: int | None = None):
+        """``DirectoryRefused`` where the directory cannot be used (the
+        engine then runs without a disk tier, saying why)."""
+        self.root = dirs.private_directory(Path(directory))
+        self._lock_fd = dirs.lock(self.root, lock_fd)
+        self._owns_lock = lock_fd is None
+        try:
+            self.directory = dirs.private_directory(self.root / fingerprint)
+        except DirectoryRefused:
+            self._release_lock()
+            raise
         self.max_queued = max_queued
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint
         self.entries: dict[str, DiskEntry] = {}  # complete files by entry id
+        self.foreign: list[_ForeignFile] = []
         self.counters: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self.skipped: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()  # files found and not used, by ``parked_entry.REJECT_CAUSES``
+        self.skipped: Counter[str] = Counter()  # "spill:<cause>", "remove:failed"
         self._lock = threading.Lock()
-        self._queue: queue.Queue[_Spill | None] = queue.Queue()
-        self._make_directory()
+        self._queue: queue.Queue[Spill | None] = queue.Queue()
+        self._closed = False
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="conversation-cache-disk", daemon=True)
         self._writer.start()
 
     # --- the directory and its index ----------------------------------------
 
-    def _make_directory(self) -> None:
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        mode = self.directory.stat().st_mode & 0o777
-        if mode & 0o077:
-            os.chmod(self.directory, 0o700)  # parked conversations are the users' text: no one else reads them
-            log.warning("conversation cache: %s was mode %o; made 0700", self.directory, mode)
-
     def _rebuild_index(self) -> None:
         t0 = time.perf_counter()
-        for path in sorted(self.directory.iterdir()):
-            if path.suffix == TMP_SUFFIX:
-                _remove(path)  # a write cut off by a crash
-                self.rejected["cut_off"] += 1
-                continue
-            if path.suffix != SUFFIX:
-                continue
-            try:
-                found = self._read_index_entry(path)
-            except EntryRejected as e:
-                self.rejected[e.cause] += 1
-                log.info("conversation cache: removed %s (%s)", path.name, e)
-                _remove(path)
-                continue
-            self.entries[found.meta.id] = found
-        used = self.used_bytes
-        if self.entries or self.rejected:
+        fault_point("disk_index")  # a test's hung mount
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as e:
+            names = []
+            log.warning("conversation cache: cannot list %s (%s); no conversations on disk", self.directory,
+                        e.strerror or e)
+        for name in names:
+            path = self.directory / name
+            if name.endswith(TMP_SUFFIX):
+                self._reject(path, EntryRejected("cut_off", "a write cut off by a crash"), remove=True)
+            elif name.endswith(SUFFIX):
+                try:
+                    found = self._index_file(path)
+                except EntryRejected as e:
+                    self._reject(path, e, remove=e.cause not in ("not_a_file", "unreadable"))
+                    continue
+                self.entries[found.meta.id] = found
+        self._find_foreign()
+        if self.entries or self.rejected or self.foreign:
             causes = ", ".join(f"{n} {c}" for c, n in sorted(self.rejected.items())) or "none"
-            log.info("conversation cache: %d entries (%s) on disk in %s, indexed in %.2f s; removed: %s",
-                     len(self.entries), _mib(used), self.directory, time.perf_counter() - t0, causes)
+            log.info("conversation cache: %d entries (%s) on disk in %s, indexed in %.2f s; rejected: %s; "
+                     "%d files of other models left alone (%s)", len(self.entries), _mib(self.used_bytes),
+                     self.directory, time.perf_counter() - t0, causes, len(self.foreign),
+                     _mib(sum(f.nbytes for f in self.foreign)))
         self._fit_budget()
 
-    def _read_index_entry(self, path: Path) -> DiskEntry:
+    def _reject(self, path: Path, e: EntryRejected, remove: bool) -> None:
+        """Count ``path`` as rejected by ``e.cause``; remove it where ``remove``
+        (counted and logged when that fails: the file is left)."""
+        self.rejected[e.cause] += 1
+        failed = dirs.remove(path) if remove else None
+        if remove and failed is None:
+            log.info("conversation cache: removed %s (%s)", path.name, e)
+        elif remove:
+            self.skipped["remove:failed"] += 1
+            log.warning("conversation cache: %s is not used (%s) and cannot be removed (%s); left", path.name, e,
+                        failed)
+        else:
+            log.warning("conversation cache: %s is not used (%s); left alone", path.name, e)
+
+    def _index_file(self, path: Path) -> DiskEntry:
         try:
-            with path.open("rb") as f:
-                head = f.read(entry.PREFIX_BYTES)
-                prefix = entry.parse_prefix(head)
-                if prefix is None:
-                    raise EntryRejected("corrupt" if len(head) == entry.PREFIX_BYTES else "truncated",
-                                        "not an entry file (no magic)")
-                if prefix.n_pages:
-                    raise EntryRejected("corrupt", "a file's header lists pages")
-                header = head + f.read(prefix.header_bytes - entry.PREFIX_BYTES)
-                size = os.fstat(f.fileno()).st_size
-                st = os.fstat(f.fileno())
+            fd = dirs.open_regular(path)
+        except NotRegular as e:
+            raise EntryRejected("not_a_file", str(e)) from None
         except OSError as e:
-            raise EntryRejected("unreadable", f"cannot read it ({e.strerror or e})") from None
-        _, meta, _ = entry.parse_header(header, self.fingerprint)
-        if size != prefix.header_bytes + prefix.payload_bytes:
-            raise EntryRejected("truncated" if size < prefix.header_bytes + prefix.payload_bytes else "corrupt",
-                                f"{size} bytes, its header says {prefix.header_bytes + prefix.payload_bytes}")
+            if e.errno == errno.ELOOP:
+                raise EntryRejected("not_a_file", f"{path.name} is a symbolic link") from None
+            raise EntryRejected("unreadable", f"cannot open it ({e.strerror or e})") from None
+        try:
+            prefix, meta, header, size, mtime = self._read_header(fd)
+        finally:
+            os.close(fd)
         if path.name != meta.id + SUFFIX:
             raise EntryRejected("corrupt", f"the file of entry {meta.id} is named {path.name}")
         # Least recently used by modification time: a read touches the file.
-        return DiskEntry(meta, path, size, time.monotonic() - max(0.0, time.time() - st.st_mtime))
+        return DiskEntry(meta, path, size, prefix.payload_hash, time.monotonic() - max(0.0, time.time() - mtime))
+
+    def _read_header(self, fd: int):
+        """(prefix, meta, header bytes, file size, mtime) of the open file
+        ``fd``, checked: a committed entry of this model, as long as its
+        header says."""
+        try:
+            head = os.pread(fd, entry.PREFIX_BYTES, 0)
+            prefix = entry.parse_prefix(head)
+            if prefix is None:
+                raise EntryRejected("corrupt" if len(head) == entry.PREFIX_BYTES else "truncated",
+                                    "not an entry file (no magic)")
+            if prefix.n_pages:
+                raise EntryRejected("corrupt", "a file's header lists pages")
+            header = os.pread(fd, prefix.header_bytes, 0)
+            st = os.fstat(fd)
+        except OSError as e:
+            raise EntryRejected("unreadable", f"cannot read it ({e.strerror or e})") from None
+        _, meta, _ = entry.parse_header(header, self.fingerprint)
+        want = prefix.header_bytes + prefix.payload_bytes
+        if st.st_size != want:
+            raise EntryRejected("truncated" if st.st_size < want else "corrupt",
+                                f"{st.st_size} bytes, its header says {want}")
+        return prefix, meta, header, st.st_size, st.st_mtime
+
+    def _find_foreign(self) -> None:
+        """Other models' files (their subdirectories), and entry files of the
+        flat layout of earlier versions: counted against the budget, never read."""
+        now_wall, now = time.time(), time.monotonic()
+        places = [self.root]
+        try:
+            with os.scandir(self.root) as it:
+                places += [Path(d.path) for d in it if d.is_dir(follow_symlinks=False) and d.name != self.directory.name]
+        except OSError:
+            pass
+        for place in places:
+            try:
+                with os.scandir(place) as it:
+                    for f in it:
+                        if f.name.endswith(SUFFIX) and f.is_file(follow_symlinks=False):
+                            st = f.stat(follow_symlinks=False)
+                            self.foreign.append(_ForeignFile(Path(f.path), st.st_size,
+                                                             now - max(0.0, now_wall - st.st_mtime)))
+            except OSError:
+                continue
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of this model's files."""
         with self._lock:
             return sum(e.nbytes for e in self.entries.values())
 
     def _fit_budget(self, keep: str | None = None) -> None:
         with self._lock:
-            while sum(e.nbytes for e in self.entries.values()) > self.budget_bytes:
-                victims = [e for e in self.entries.values() if e.meta.id != keep]
+            while (sum(e.nbytes for e in self.entries.values()) + sum(f.nbytes for f in self.foreign)
+                   > self.budget_bytes):
+                victims = [e for e in self.entries.values() if e.meta.id != keep] + self.foreign
                 if not victims:
                     return
                 victim = min(victims, key=lambda e: e.last_used)
-                del self.entries[victim.meta.id]
-                _remove(victim.path)
+                if isinstance(victim, _ForeignFile):
+                    self.foreign.remove(victim)
+                else:
+                    del self.entries[victim.meta.id]
+                failed = dirs.remove(victim.path)
+                if failed is not None:
+                    self.skipped["remove:failed"] += 1
+                    log.warning("conversation cache: evicting %s failed (%s); no longer counted", victim.path, failed)
                 self.counters["disk_evictions"] += 1
 
-    def forget(self, entry_id: str, cause: str) -> None:
-        """Remove a file found wrong on read (counted by ``cause``)."""
+    def forget(self, entry_id: str, cause: str, remove: bool = True) -> None:
+        """Take a file found wrong on read out of the index (counted by
+        ``cause``), removing it where ``remove``."""
         with self._lock:
             found = self.entries.pop(entry_id, None)
         if found is not None:
-            _remove(found.path)
-            self.rejected[cause] += 1
+            self._reject(found.path, EntryRejected(cause, "found on reading it back"), remove)
 
     def snapshot_metas(self) -> list[DiskEntry]:
         with self._lock:
@@ -210,9 +322,10 @@ class DiskTier:
 
     # --- writing -----------------------------------------------------------------
 
-    def spill(self, meta: EntryMeta, lease: Lease, header: int, payload_hash: int) -> _Spill | None:
-        """Queue a committed entry for the writer; None where it is skipped
-        (counted: too large for the budget, or the writer is behind)."""
+    def spill(self, meta: EntryMeta, lease: Lease, header: int, payload_hash: int) -> Spill | None:
+        """Queue a committed entry for the writer; None where it is on disk
+        already or skipped (counted: too large for the budget, the writer is
+        behind, the tier is closed)."""
         if self.has(meta.id):
             return None
         nbytes = entry.header_bytes(meta, 0) + meta.payload_bytes
@@ -220,12 +333,14 @@ class DiskTier:
             return self._skip("too_large", f"{_mib(nbytes)} is more than the disk budget of {_mib(self.budget_bytes)}")
         if self._queue.qsize() >= self.max_queued:
             return self._skip("disk_slow", f"{self.max_queued} spills are still waiting for the disk")
-        job = _Spill(meta, lease, header, payload_hash)
+        if self._closed:
+            return self._skip("closed", "the disk tier is closed")
+        job = Spill(meta, lease, header, payload_hash)
         self._queue.put(job)
         return job
 
     def _skip(self, cause: str, why: str) -> None:
-        self.skipped[cause] += 1
+        self.skipped[f"spill:{cause}"] += 1
         log.warning("conversation cache: spill to disk skipped (%s)", why)
         return None
 
@@ -235,48 +350,50 @@ class DiskTier:
             if job is None:
                 self._queue.task_done()
                 return
+            written = False
             try:
                 if not job.abandoned:
-                    self._write(job)
+                    written = self._write(job)
             finally:
-                job._finish()
+                job._finish(written)
                 self._queue.task_done()
 
-    def _write(self, job: _Spill) -> None:
+    def _write(self, job: Spill) -> bool:
         final = self.directory / (job.meta.id + SUFFIX)
         tmp = final.with_suffix(TMP_SUFFIX)
         t0 = time.perf_counter()
         header = entry.encode_header(job.meta, (), job.payload_hash, entry.COMMITTED)
         try:
             fault_point("disk_write")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = dirs.create_new(tmp)
             try:
                 with os.fdopen(fd, "wb", closefd=True) as f:
                     f.write(header)
                     for view in job.lease.byte_views(job.header, job.meta.payload_bytes):
-                        if job.abandoned:  # dropped meanwhile: not worth finishing
+                        if job.abandoned:
                             raise _Abandoned
                         f.write(view.numpy().data)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
-                _fsync_directory(self.directory)
+                dirs.fsync_directory(self.directory)
             except BaseException:
-                _remove(tmp)
+                dirs.remove(tmp)
                 raise
         except _Abandoned:
-            return
+            return False
         except Exception as e:  # a full disk, a write error: the spill is skipped, nothing else
-            cause = "no_space" if isinstance(e, OSError) and e.errno == 28 else "write_error"
+            cause = "no_space" if isinstance(e, OSError) and e.errno == errno.ENOSPC else "write_error"
             self._skip(cause, f"writing {final.name} failed: {describe(e) if not isinstance(e, OSError) else e}")
-            return
+            return False
         nbytes = len(header) + job.meta.payload_bytes
         with self._lock:
-            self.entries[job.meta.id] = DiskEntry(job.meta, final, nbytes)
+            self.entries[job.meta.id] = DiskEntry(job.meta, final, nbytes, job.payload_hash)
             self.counters["disk_spills"] += 1
             self.counters["disk_spill_bytes"] += nbytes
             self.counters["disk_spill_seconds"] += time.perf_counter() - t0
         self._fit_budget(keep=job.meta.id)
+        return True
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued spill is written (or ``timeout``); whether it finished."""
@@ -288,40 +405,69 @@ class DiskTier:
         return True
 
     def close(self, timeout: float = 30.0) -> None:
-        self.flush(timeout)
+        """Write what is queued (up to ``timeout``; the rest is abandoned and
+        counted), stop the writer and let go of the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.flush(timeout):
+            pending = [job for job in list(self._queue.queue) if job is not None]
+            for job in pending:
+                job.abandoned = True
+            self.skipped["spill:abandoned"] += len(pending)
+            log.warning("conversation cache: %d spills to disk abandoned: the disk did not take them within %.0f s",
+                        len(pending), timeout)
         self._queue.put(None)
+        self._writer.join(timeout=5)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._owns_lock and self._lock_fd is not None:
+            os.close(self._lock_fd)  # the flock goes with the last descriptor of the open file
+        self._lock_fd = None
 
     # --- reading -----------------------------------------------------------------
 
     def read_into(self, found: DiskEntry, lease: Lease, header: int) -> int:
-        """Read ``found``'s payload into ``lease`` from byte ``header`` on
-        and check its hash (returned); ``EntryRejected`` (the file removed
-        and counted) where it does not hold or the file is short."""
+        """Read ``found``'s payload into ``lease`` from byte ``header`` on,
+        after checking that the file holds exactly the header indexed, and
+        check the payload's hash (returned). ``EntryRejected`` where it does
+        not hold (the file out of the index: removed if it is wrong, kept if
+        it could not be read)."""
         t0 = time.perf_counter()
         meta = found.meta
+        fault_point("disk_read")
         try:
-            fault_point("disk_read")
-            with found.path.open("rb") as f:
-                prefix = entry.parse_prefix(f.read(entry.PREFIX_BYTES))
-                if prefix is None:
-                    raise EntryRejected("corrupt", "not an entry file any more")
+            fd = dirs.open_regular(found.path)
+        except NotRegular as e:
+            self.forget(meta.id, "not_a_file", remove=False)
+            raise EntryRejected("not_a_file", str(e)) from None
+        except OSError as e:
+            cause = "not_a_file" if e.errno == errno.ELOOP else "unreadable"
+            self.forget(meta.id, cause, remove=False)
+            raise EntryRejected(cause, f"cannot open {found.path.name} ({e.strerror or e})") from None
+        try:
+            with os.fdopen(fd, "rb", buffering=0, closefd=True) as f:
+                prefix, on_disk, _, _, _ = self._read_header(f.fileno())
+                if on_disk != meta or prefix.payload_hash != found.payload_hash:
+                    raise EntryRejected("changed", f"{found.path.name} holds another entry than the one indexed")
                 f.seek(prefix.header_bytes)
                 for view in lease.byte_views(header, meta.payload_bytes):
                     if f.readinto(view.numpy()) != view.numel():
                         raise EntryRejected("truncated", "the file ended early")
         except OSError as e:
-            self.forget(meta.id, "unreadable")
+            self.forget(meta.id, "unreadable", remove=False)
             raise EntryRejected("unreadable", f"cannot read {found.path.name} ({e.strerror or e})") from None
         except EntryRejected as e:
-            self.forget(meta.id, e.cause)
+            self.forget(meta.id, e.cause, remove=e.cause in _REMOVED_ON_READ)
             raise
         digest = entry.payload_hash(v.numpy() for v in lease.byte_views(header, meta.payload_bytes))
-        if digest != prefix.payload_hash:
+        if digest != found.payload_hash:
             self.forget(meta.id, "corrupt")
             raise EntryRejected("corrupt", f"{found.path.name}: the payload's hash does not hold")
         found.last_used = time.monotonic()
         try:
-            os.utime(found.path)  # the index's order at the next start
+            os.utime(found.path, follow_symlinks=False)  # the index's order at the next start
         except OSError:
             pass
         with self._lock:
@@ -333,21 +479,6 @@ class DiskTier:
 
 class _Abandoned(Exception):
     pass
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _mib(n: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,15 @@ from .memory import MiB, HostMemory
 from .sampling import SamplingParams
 from .scheduler import Generation, Scheduler
 from .speculation import check_settings, drafter_for, spare_states
-from .disk_tier import DiskTier
+from .disk_tier import DirectoryRefused, DiskTier
 from .fingerprint import model_file_identity, row_bytes, state_fingerprint
 from .staging import StagingPool
 from .staging_segment import StagingSegment, pin
 from .text_stream import StopTextStream
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -154,7 +158,7 @@ class Completion:
 
 
 def load(path: str | Path | None = None, *, memory: HostMemory | None = None,
-         staging: StagingSegment | None = None, **options: Any) -> "Engine":
+         staging: StagingSegment | None = None, disk_lock: int | None = None, **options: Any) -> "Engine":
     """Load a GGUF model (``path=None``: the embedded default model).
 
     Options: see ``EngineConfig`` (the default ``dtype="auto"`` is the
@@ -163,11 +167,12 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None,
     (default: this host's ``/proc`` and cgroup files). ``staging``: a shared
     segment reserved by the caller (a server) to hold the staging pool, in
     place of reserving one here; what an earlier engine parked in it is
-    taken back.
+    taken back. ``disk_lock``: the lock of ``conversation_cache_dir``, held
+    by the caller (a server) for every engine it starts.
     """
     config = EngineConfig.from_options(options)
     if config.distributed:  # each rank checks its own device: the others may be on other hosts
-        return _load_rank0(path, config, memory, staging)
+        return _load_rank0(path, config, memory, staging, disk_lock)
     for name in config.devices or (config.device,):
         check_device(name)
     if path is None:
@@ -186,7 +191,7 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None,
     check_vocabulary(gguf, tokenizer.vocab.size)
     model = build_model(opened, placement, config.dtype, config.progress, f"loading {gguf.path.name}")
     runner = model if len(placement.stage_devices) == 1 else Pipeline(model)
-    return Engine(gguf, runner, tokenizer, config, memory, staging)
+    return Engine(gguf, runner, tokenizer, config, memory, staging, disk_lock)
 
 
 def check_device(name: str) -> None:
@@ -194,7 +199,8 @@ def check_device(name: str) -> None:
         raise StrataError(f"device={name!r} was asked for but torch sees no CUDA device; use device='cpu'")
 
 
-def _load_rank0(path, config: EngineConfig, memory: HostMemory | None, staging: StagingSegment | None) -> "Engine":
+def _load_rank0(path, config: EngineConfig, memory: HostMemory | None, staging: StagingSegment | None,
+                disk_lock: int | None) -> "Engine":
     """Rank 0 of a split across processes: its stage, driving the others."""
     from .ranks import RankPipeline, join_stage, ready
 
@@ -203,7 +209,7 @@ def _load_rank0(path, config: EngineConfig, memory: HostMemory | None, staging: 
     ready(0)
     tokenizer = Tokenizer.from_gguf(stage.gguf)
     check_vocabulary(stage.gguf, tokenizer.vocab.size)
-    return Engine(stage.gguf, pipeline, tokenizer, config, memory, staging)
+    return Engine(stage.gguf, pipeline, tokenizer, config, memory, staging, disk_lock)
 
 
 class Engine:
@@ -221,7 +227,8 @@ class Engine:
     """
 
     def __init__(self, gguf: GGUFFile, model, tokenizer: Tokenizer, config: EngineConfig,
-                 memory: HostMemory | None = None, staging: StagingSegment | None = None):
+                 memory: HostMemory | None = None, staging: StagingSegment | None = None,
+                 disk_lock: int | None = None):
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.gguf = gguf
@@ -246,11 +253,22 @@ class Engine:
                 self.recovered = self.conversations.recover(self.conversations.fingerprint,
                                                             row_bytes(self.scheduler.pool))
             if config.conversation_cache_dir is not None:
-                self.conversations.use_disk(DiskTier(config.conversation_cache_dir,
-                                                     config.conversation_cache_disk_mib * MiB,
-                                                     self.conversations.fingerprint))
+                self._open_disk_tier(config, disk_lock)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
+
+    def _open_disk_tier(self, config: EngineConfig, disk_lock: int | None) -> None:
+        """The disk tier is an optimization: a directory it cannot use (another
+        user's, a symlink, locked by another server) leaves the engine
+        without one, saying why (``stats()["disk_refused"]``)."""
+        try:
+            disk = DiskTier(config.conversation_cache_dir, config.conversation_cache_disk_mib * MiB,
+                            self.conversations.fingerprint, lock_fd=disk_lock)
+        except DirectoryRefused as e:
+            self.conversations.disk_refusal = str(e)
+            log.warning("conversation cache: running without a disk tier: %s", e)
+            return
+        self.conversations.use_disk(disk)
 
     def persist(self, timeout: float = 30.0) -> bool:
         """Before the engine goes away on purpose: park the conversations
@@ -262,8 +280,12 @@ class Engine:
         return self.conversations.disk is None or self.conversations.disk.flush(timeout)
 
     def close(self) -> None:
-        """Stop what the engine runs outside this process: the other ranks of
-        a split across processes. The engine is unusable afterwards."""
+        """Stop what the engine runs outside this process (the other ranks of
+        a split across processes) and its disk tier's writer, letting go of
+        the directory (its queued writes are finished first, up to 30 s). The
+        engine is unusable afterwards."""
+        if self.conversations is not None and self.conversations.disk is not None:
+            self.conversations.disk.close()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()

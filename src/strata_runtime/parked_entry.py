@@ -51,6 +51,8 @@ REJECT_CAUSES = {
     "orphan": "the snapshot it extends was not taken back",
     "overlap": "its pages are claimed by another entry",
     "unreadable": "the file could not be read",
+    "not_a_file": "a directory, FIFO, device or symlink where a file of the disk tier should be (left alone)",
+    "changed": "the file no longer holds what was indexed (replaced since the index was built)",
 }
 
 # (layer, field name, first position, end position, byte offset in the payload)
@@ -82,11 +84,13 @@ class EntryMeta:
     base: str | None = None
     root: bool = False
     created: float = 0.0
+    owner: str = ""  # the digest of the scope's owner (``owner_digest``): who may see it listed
 
     def _json(self) -> bytes:
         return json.dumps({"kind": self.kind, "id": self.id, "base": self.base, "scope": self.scope,
                            "root": self.root, "fingerprint": self.fingerprint, "created": self.created,
-                           "parts": [list(p) for p in self.parts]}, separators=(",", ":")).encode()
+                           "owner": self.owner, "parts": [list(p) for p in self.parts]},
+                          separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,13 @@ class Prefix:
 def scope_digest(scope: str) -> str:
     """What an entry records of a request's scope: enough to compare, nothing to read back."""
     return hashlib.sha256(scope.encode()).hexdigest()[:32]
+
+
+def owner_digest(scope: str) -> str:
+    """The digest of a scope's owner. A scope is ``OWNER[/SALT]`` (a server:
+    the API key's scope, then the request's ``cache_salt``): state of any
+    salt is listed to its owner (``/slots``), and restored only for its whole scope."""
+    return scope_digest(scope.partition("/")[0])
 
 
 def header_bytes(meta: EntryMeta, n_pages: int) -> int:
@@ -189,7 +200,7 @@ def parse_header(data: bytes, fingerprint: str) -> tuple[Prefix, EntryMeta, tupl
                          parts=tuple((int(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in raw["parts"]),
                          payload_bytes=prefix.payload_bytes, fingerprint=str(raw["fingerprint"]),
                          scope=str(raw["scope"]), base=None if raw["base"] is None else str(raw["base"]),
-                         root=bool(raw["root"]), created=float(raw["created"]))
+                         root=bool(raw["root"]), created=float(raw["created"]), owner=str(raw.get("owner", "")))
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise EntryRejected("corrupt", f"the header's metadata does not parse ({e})") from None
     if meta.fingerprint != fingerprint:

@@ -40,6 +40,7 @@ from .errors import QueueFull, RequestError
 from .faults import StepFailed
 from .kv_cache import PREFILL_CHUNK, KVCache
 from .kv_pool import KVPool
+from .parked_entry import owner_digest
 from .sampling import Sampler, SamplingParams
 from .speculation import Speculation
 from .testing import armed, fault_point
@@ -544,17 +545,20 @@ class Scheduler:
         requests, residents (finished, on the device) and parked
         conversations (``where``: the tier, "ram" for the staging pool,
         "disk" for files of the disk tier that RAM does not hold).
-        Scopes are not shown: they name clients."""
+        Scopes are not shown (they name clients); ``owner`` is the digest of
+        the scope's owner (``parked_entry.owner_digest``), for a server to
+        list each caller its own."""
         out = [{"id": s.id, "state": s.state, "tokens": len(s.tokens), "prompt_tokens": len(s.prompt),
                 "generated_tokens": len(s.generated), "blocks": s.cache.held_blocks if s.cache else 0,
-                "where": "device", "preemptions": s.preemptions} for s in (*self.running, *self.waiting)]
-        out += [{"state": "resident", "tokens": len(r.tokens), "blocks": r.cache.held_blocks, "where": "device"}
-                for r in self.residents]
+                "where": "device", "preemptions": s.preemptions, "owner": owner_digest(s.scope)}
+               for s in (*self.running, *self.waiting)]
+        out += [{"state": "resident", "tokens": len(r.tokens), "blocks": r.cache.held_blocks, "where": "device",
+                 "owner": owner_digest(r.scope)} for r in self.residents]
         if self.conversations is not None:
-            out += [{"state": "parked", "tokens": snap.length, "bytes": snap.stored.nbytes, "where": "ram"}
-                    for snap in self.conversations.snapshots]
-            out += [{"state": "parked", "tokens": len(e.tokens), "bytes": e.meta.payload_bytes, "where": "disk"}
-                    for e in self.conversations.disk_only()]
+            out += [{"state": "parked", "tokens": snap.length, "bytes": snap.stored.nbytes, "where": "ram",
+                     "owner": snap.stored.meta.owner} for snap in self.conversations.snapshots]
+            out += [{"state": "parked", "tokens": len(e.tokens), "bytes": e.meta.payload_bytes, "where": "disk",
+                     "owner": e.meta.owner} for e in self.conversations.disk_only()]
         return out
 
     def stats(self) -> dict:

@@ -3,7 +3,8 @@
 Points: ``park_copy``, ``restore_copy``, ``checkpoint_copy`` (the copies
 between the device cache and the staging pool), ``recurrent_copy`` (within
 any of those, the part holding recurrent layers' state), ``staging_lease``
-(asking the pool for pages), ``disk_write`` and ``disk_read`` (the disk
+(asking the pool for pages), ``disk_index`` (the disk tier reading its
+directory at engine start: ``hang`` is a hung mount), ``disk_write`` and ``disk_read`` (the disk
 tier writing a file, on its writer thread, and reading one back), ``verify`` (a decoding sequence's verify of
 its draft, as the step is planned; subject: its tokens), ``verify_copy`` (a recurrent layer copying
 a verify's state from slot to slot; subject: the slots), ``verify_forward``
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # The conversation cache's:
 OPTIMIZATION_POINTS = ("park_copy", "restore_copy", "checkpoint_copy", "recurrent_copy", "staging_lease")
 # The disk tier's (reached only with a conversation_cache_dir):
-DISK_POINTS = ("disk_write", "disk_read")
+DISK_POINTS = ("disk_index", "disk_write", "disk_read")
 # Speculative decoding's:
 SPECULATION_POINTS = ("verify", "verify_copy", "verify_forward")
 POINTS = (*OPTIMIZATION_POINTS, *DISK_POINTS, *SPECULATION_POINTS, "forward", "layer")

@@ -147,11 +147,15 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(model_file):
         server.wait_for_health(200)
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=48, temperature=0,
+        stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=160, temperature=0,
                                            stream=True)
         chunks = iter(stream)
         first = next(chunks)
         os.killpg(proc.pid, signal.SIGTERM)
+        # While the accepted stream runs, the listener stays: a new request gets a 503 to retry, not a refusal.
+        server.wait_for_health(503, timeout=10)
+        late = server.post("/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "server_stopping", late.text
         rest = list(chunks)
         assert rest[-1].choices[0].finish_reason == "length", rest[-1]
         text = first.choices[0].text + "".join(c.choices[0].text for c in rest)

@@ -80,12 +80,13 @@ def test_a_dead_dispatcher_restarts_the_engine_instead_of_stalling(model_file):
 def test_a_dead_supervisor_ends_the_server(model_file):
     async def scenario(sup, failed):
         waiting = sup.submit(_command("Hello " * 50))
+        await _until(lambda: waiting.taken)  # the engine has it: a suspect of the crash to come
         sup._crashes = None  # a broken invariant: the next crash's bookkeeping raises
         os.kill(sup.engine_pid, signal.SIGKILL)
         await _until(lambda: failed)
         assert sup.state == "failed" and sup.health()[0] == 503
         kind, error = (await _events(waiting))[-1]
-        # It was in the engine at a hard crash: the one suspect, answered not to be retried.
+        # It was in the engine at a hard crash: a suspect, answered not to be retried.
         assert kind == "error" and error.status == 500 and error.code == "engine_crashed"
         assert error.headers == {"x-should-retry": "false"}
 

@@ -24,9 +24,11 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from strata_runtime.parked_entry import owner_digest
 
 from . import openai_api
 from .config import ServerConfig
@@ -58,7 +60,8 @@ def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) ->
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics_text, methods=["GET"]),
         ],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: api.client_gone,
+                            Exception: _internal_error},
         lifespan=lifespan,
     )
     app.add_middleware(RequireApiKey, keys=config.api_keys)
@@ -182,6 +185,12 @@ class _Api:
                 return
             event = await events.__anext__()
 
+    async def client_gone(self, request: Request, exc: ClientDisconnect) -> Response:
+        """The client went away while sending its body: nothing to answer, nobody to tell but a counter."""
+        self.metrics.body_disconnects.inc()
+        log.debug("a client disconnected while sending its body to %s", request.url.path)
+        return Response(status_code=499)
+
     # --- the rest ---------------------------------------------------------------------
 
     def _model_ids(self) -> set[str]:
@@ -200,8 +209,11 @@ class _Api:
         if not s.answering:
             status, body = s.health()
             return JSONResponse(body, status_code=status)
+        # A caller sees its own sequences only: one API key's conversations are not another's to watch.
+        owner = owner_digest(cache_scope(request))
+        mine = [{k: v for k, v in slot.items() if k != "owner"} for slot in s.slots if slot.get("owner") == owner]
         return JSONResponse({"parallel": s.parallel, "in_flight": s.in_flight, "queued": s.queue_length,
-                             "scheduler": s.scheduler, "slots": s.slots})
+                             "scheduler": s.scheduler, "slots": mine})
 
     async def props(self, request: Request) -> Response:
         s = self.supervisor
@@ -325,10 +337,26 @@ def run(config: ServerConfig) -> int:
     app = build_app(config, supervisor, metrics)
 
     class DrainingServer(uvicorn.Server):
+        """On SIGTERM the listener stays open while the requests accepted are
+        served (up to the grace period): a new request gets a 503 it can
+        retry elsewhere, not a refused connection. Then uvicorn shuts down."""
+
+        drain_until: float | None = None
+
         def handle_exit(self, sig, frame) -> None:
-            if sig == signal.SIGTERM:
+            if sig == signal.SIGTERM and self.drain_until is None and not self.should_exit:
                 supervisor.begin_drain()
-            super().handle_exit(sig, frame)
+                self.drain_until = time.monotonic() + config.shutdown_grace_s
+                return
+            super().handle_exit(sig, frame)  # SIGINT, or a second SIGTERM: stop now
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_until is not None and not self.should_exit:
+                left = self.drain_until - time.monotonic()
+                if supervisor.idle or left <= 0:
+                    self.config.timeout_graceful_shutdown = max(1.0, left)  # what is left of the grace
+                    self.should_exit = True
+            return await super().on_tick(counter)
 
     if not config.api_keys and not config.loopback_only:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model and "

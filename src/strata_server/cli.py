@@ -125,6 +125,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="delay before the first restart, doubling per crash in the window, capped at 30 s")
     g.add_argument("--hang-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="an engine silent this long is killed and restarted (default 30)")
+    g.add_argument("--start-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="an engine not ready this long after it started (loading the model, reading the "
+                        "conversation cache) is killed and counted as a crash (default 600)")
     g.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine whose step (or tokenizing) runs longer than this, plus as long again per 256 "
                         "tokens it handles and four times the slowest pace seen, is stuck: it is killed and restarted "
@@ -133,8 +136,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, requests in flight get this long to finish before the server exits (default 30)")
     g.add_argument("--inject-fault", action="append", default=[], metavar="POINT[:RATE[:KIND]][@TEXT]", type=_fault,
                    help="chaos testing: make the engine fail at POINT (park_copy, restore_copy, checkpoint_copy, "
-                        "recurrent_copy, staging_lease, verify, verify_forward, forward, layer) on every call or on a seeded random RATE of "
-                        "them, as KIND says (oom: out-of-memory, the default; device_error; hang; kill); @TEXT: "
+                        "recurrent_copy, staging_lease, disk_index, disk_write, disk_read, verify, verify_copy, "
+                        "verify_forward, forward, layer) on every call or on a seeded random RATE of "
+                        "them, as KIND says (oom: out-of-memory, the default; device_error; hang; kill; slow); @TEXT: "
                         "only a forward whose prompts contain TEXT; repeatable")
 
 
@@ -323,7 +327,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, body_timeout_s=args.body_timeout,
         max_queue=args.max_queue, max_body_bytes=args.max_body_mib * MiB, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
-        hang_timeout_s=args.hang_timeout, stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace,
+        hang_timeout_s=args.hang_timeout, start_timeout_s=args.start_timeout, stall_timeout_s=args.stall_timeout, shutdown_grace_s=args.shutdown_grace,
         log_level="info" if args.verbose else "warning",
         faults=tuple(args.inject_fault),
     )

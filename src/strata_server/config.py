@@ -36,6 +36,9 @@ class ServerConfig:
     restart_backoff_max_s: float = 30.0
     ping_interval_s: float = 1.0  # how often the engine is asked whether it is answering
     hang_timeout_s: float = 30.0  # silence after which the engine is killed and restarted
+    # An engine not ready this long after it started is killed and counted as a crash
+    # (a model file on a hung mount, a device that never answers).
+    start_timeout_s: float = 600.0
     # One piece of the engine's work (a step, a request's tokenizing) may take
     # this long, and this long again per 256 tokens it handles; past that the
     # engine is stuck (a kernel, a deadlock) and is killed and restarted.
@@ -60,6 +63,7 @@ class ServerConfig:
              "an API key must be printable characters without spaces"),
             (self.body_timeout_s > 0, f"the body timeout must be positive, got {self.body_timeout_s}"),
             (self.max_connections >= 1, f"max_connections must be at least 1, got {self.max_connections}"),
+            (self.start_timeout_s > 0, f"the start timeout must be positive, got {self.start_timeout_s}"),
             (self.stall_timeout_s > 0, f"the stall timeout must be positive, got {self.stall_timeout_s}"),
             (self.shutdown_grace_s >= 0, f"the shutdown grace must be at least 0, got {self.shutdown_grace_s}"),
         ]

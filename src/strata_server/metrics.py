@@ -14,9 +14,11 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/props", "/s
 CACHE_COUNTERS = ("parked", "restored", "live_reused", "checkpoints_saved", "evictions",
                   # the disk tier's: files written and read back, with their bytes and seconds
                   "restored_from_disk", "disk_spills", "disk_spill_bytes", "disk_spill_seconds", "disk_reads",
-                  "disk_read_bytes", "disk_read_seconds", "disk_evictions")
+                  "disk_read_bytes", "disk_read_seconds", "disk_evictions",
+                  # making room in the pool: waits for the disk writer to let go of a snapshot's pages
+                  "spill_waits", "spill_wait_seconds", "spill_waits_timed_out")
 CACHE_GAUGES = ("parked_now", "checkpoints_now", "pool_bytes_used", "pool_bytes_total", "disk_bytes",
-                "disk_bytes_total")
+                "disk_bytes_total", "disk_foreign_entries")
 
 
 class Metrics:
@@ -44,6 +46,8 @@ class Metrics:
         self.generated_tokens = Counter("strata_generated_tokens", "tokens generated", registry=r)
         self.cancelled = Counter("strata_requests_cancelled", "generations stopped because the client went away",
                                  registry=r)
+        self.body_disconnects = Counter("strata_client_disconnects_in_body",
+                                        "clients that went away while sending their request body", registry=r)
         self.ttft = Histogram("strata_time_to_first_token_seconds", "arrival to first generated text",
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
         self.per_token = Histogram("strata_time_per_output_token_seconds", "decode time per token after the first",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -45,6 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from strata_runtime.cache_directory import lock_for_server
 from strata_runtime.memory import MiB
 from strata_runtime.staging_segment import StagingSegment
 
@@ -74,6 +76,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     cancelled: bool = False
+    taken: bool = False  # the engine said it has the request (a dead one cannot: a job it never took is no suspect)
 
 
 class Supervisor:
@@ -102,7 +105,7 @@ class Supervisor:
         self._next_id = 0
         self._crashes: deque[float] = deque()
         self._proc: asyncio.subprocess.Process | None = None
-        self._last_heard = time.monotonic()
+        self._last_heard = self._started_at = time.monotonic()
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -114,12 +117,30 @@ class Supervisor:
         self.crash_suspects = CrashSuspects(config.restart_window_s)
         self.draining = False
         self.staging: StagingSegment | None = None  # the shared staging pool, reserved at start
+        self.disk_lock: int | None = None  # the conversation cache directory's lock, held for every engine
+        self._ready_child = False  # whether the current child has said it is ready
+        self._start_timed_out = False
 
     # --- what the HTTP side asks ------------------------------------------
 
     @property
     def answering(self) -> bool:
-        return self.state == "ready" and time.monotonic() - self._last_heard < self.config.hang_timeout_s
+        return (self.state == "ready" and time.monotonic() - self._last_heard < self.config.hang_timeout_s
+                and self._child_alive())
+
+    def _child_alive(self) -> bool:
+        """Whether the engine process still runs: killed from outside (the OOM
+        killer, an operator), it is dead before the event loop reaps it, and
+        no request may be sent to it meanwhile."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return False
+        try:
+            with open(f"/proc/{proc.pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True  # no /proc here: the reaping is the word
+        return state not in (b"Z", b"X")
 
     def health(self) -> tuple[int, dict[str, Any]]:
         if self.draining:
@@ -169,6 +190,11 @@ class Supervisor:
         return int((self.props or {}).get("parallel", 1))
 
     @property
+    def idle(self) -> bool:
+        """No request in flight or waiting: a drain is over."""
+        return not self._in_flight and not self._waiting
+
+    @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
@@ -181,6 +207,7 @@ class Supervisor:
 
     def start(self) -> None:
         self._reserve_staging()
+        self._lock_cache_directory()
         self._task = asyncio.create_task(self._supervise(), name="supervisor")
         self._task.add_done_callback(self._supervisor_ended)
 
@@ -195,6 +222,17 @@ class Supervisor:
             mib * MiB, min_free_bytes=options.get("min_free_mib", 1024) * MiB,
             strict=bool(options.get("strict_conversation_cache", False)))
         log.info("%s", decision.message)
+
+    def _lock_cache_directory(self) -> None:
+        """The disk tier's directory, locked here once for every engine this
+        server starts (a second server on it is refused; engines between
+        restarts keep it). Refused here, each engine runs without a disk tier."""
+        directory = self.config.engine_options.get("conversation_cache_dir")
+        if directory is None or not self.config.engine_options.get("conversation_cache_mib", 1024):
+            return
+        self.disk_lock, refusal = lock_for_server(directory)
+        if refusal is not None:
+            log.warning("conversation cache: no disk tier: %s", refusal)
 
     def _supervisor_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -234,6 +272,9 @@ class Supervisor:
         if self.staging is not None:
             self.staging.close()  # the last descriptor: the memory goes back to the host
             self.staging = None
+        if self.disk_lock is not None:
+            os.close(self.disk_lock)
+            self.disk_lock = None
         if self.state != "failed":
             self.state = "stopped"
 
@@ -280,17 +321,19 @@ class Supervisor:
         staging = self.staging
         spec = json.dumps({"model": self.config.model, "options": self.config.engine_options,
                            "faults": list(self.config.faults), "stall_timeout_s": self.config.stall_timeout_s,
-                           "staging": None if staging is None else staging.describe()})
+                           "staging": None if staging is None else staging.describe(), "disk_lock": self.disk_lock})
         self._last_error, self._hung, self._stuck, self._suspects = None, False, None, None
+        self._ready_child, self._start_timed_out = False, False
+        fds = () if staging is None or staging.refused else (staging.fd,)
         # Its own session: a signal to the server's process group (Ctrl-C, a
         # service manager) reaches the server, which stops the engine in order.
         self._proc = proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "strata_server.worker", spec,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             limit=64 << 20, start_new_session=True,
-            pass_fds=() if staging is None or staging.refused else (staging.fd,),
+            pass_fds=fds + (() if self.disk_lock is None else (self.disk_lock,)),
         )
-        self._last_heard = time.monotonic()
+        self._last_heard = self._started_at = time.monotonic()
         log.info("engine process %d started", proc.pid)
         readers = [asyncio.create_task(self._read_events(proc.stdout), name="engine events"),
                    asyncio.create_task(self._read_log(proc.stderr, proc.pid), name="engine log")]
@@ -361,6 +404,12 @@ class Supervisor:
         seq = 0
         while proc.returncode is None:
             await asyncio.sleep(self.config.ping_interval_s)
+            if not self._ready_child and time.monotonic() - self._started_at > self.config.start_timeout_s:
+                log.error("engine process %d is not ready %.0f s after it started (a hung mount, a stuck device?); "
+                          "killing it", proc.pid, self.config.start_timeout_s)
+                self._start_timed_out = True
+                proc.kill()
+                return
             silent = time.monotonic() - self._last_heard
             if silent > self.config.hang_timeout_s:
                 log.error("engine process %d has not answered for %.1f s; killing it", proc.pid, silent)
@@ -386,6 +435,7 @@ class Supervisor:
             self.props, self.engine_pid, self.stats = event["props"], event["pid"], event["stats"]
             self.scheduler, self.slots = {}, []
             self.ready_at = time.time()
+            self._ready_child = True
             self.state = "ready"
             self.metrics.engine_up.set(1)
             log.info("engine process %d ready (%s, restarts so far %d)", self.engine_pid, self.props.get("model"),
@@ -394,6 +444,10 @@ class Supervisor:
         elif kind == "fatal":
             self._last_error = event.get("message")
             self._suspects = event.get("suspects")
+        elif kind == "taken":
+            job = self._in_flight.get(event.get("id"))
+            if job is not None:
+                job.taken = True
         elif kind == "pong":
             busy, bound = event.get("busy_s", 0.0), event.get("bound_s", 0.0)
             if bound > 0 and busy > bound and self._stuck is None:
@@ -446,20 +500,33 @@ class Supervisor:
         remembered; others in flight get a 503 to retry; waiting ones stay."""
         jobs = list(self._in_flight.values())
         self._in_flight = {}
-        suspects = [j for j in jobs if self._suspects is None or j.id in self._suspects]
+        if self._suspects is not None:
+            suspects = [j for j in jobs if j.id in self._suspects]
+        else:  # not named: those the engine had taken (one sent to a dead engine could not have caused its end)
+            suspects = [j for j in jobs if j.taken]
+        # A SIGKILL nobody explained (the OOM killer, an operator) says nothing of a request: unsure.
+        sure = len(suspects) == 1 and not (self.last_exit["signal"] == "SIGKILL" and self._outside_kill())
         reason = f"{self.last_exit['reason']} (last error: {self.last_exit['error']})"
         for job in jobs:
             job.finished = True
             if job in suspects:
-                self.crash_suspects.record(job.command, sure=len(suspects) == 1, reason=reason)
+                self.crash_suspects.record(job.command, sure=sure, reason=reason)
+                refused = ("an identical one is refused" if sure else
+                           "an identical one is refused if it is in another crash")
                 error = ApiError(500, f"the engine process exited {reason} while serving this request; it is being "
-                                      "restarted. Do not retry this request as is: an identical one is refused for "
+                                      f"restarted. Do not retry this request as is: {refused} for "
                                       f"{self.config.restart_window_s:.0f} s in case it caused the crash",
                                  "server_error", "engine_crashed", {"x-should-retry": "false"})
             else:
                 error = unavailable(f"the engine process exited {self.last_exit['reason']} while this request was "
                                     "pending; it is being restarted, retry shortly", "engine_restarted")
             job.events.put_nowait(("error", error))
+
+    def _outside_kill(self) -> bool:
+        """Whether the engine was killed by something other than this
+        supervisor (which kills it only when hung, stuck or slow to start)
+        and said nothing of why (no fatal report)."""
+        return not (self._hung or self._stuck or self._start_timed_out) and self._suspects is None
 
     def _fail_jobs(self, error: ApiError) -> None:
         jobs = list(self._in_flight.values()) + list(self._waiting)
@@ -475,6 +542,9 @@ class Supervisor:
             reason = f"after it stopped answering for {self.config.hang_timeout_s:g} s (exit code {code})"
         elif self._stuck:
             reason = f"{self._stuck} (exit code {code})"
+        elif self._start_timed_out:
+            reason = (f"after it was not ready within the start deadline of {self.config.start_timeout_s:g} s "
+                      f"(exit code {code}; see --start-timeout)")
         elif code < 0:
             reason = f"on signal {_signal_name(-code)} (exit code {code})"
         else:

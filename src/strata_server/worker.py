@@ -73,6 +73,7 @@ def _read_commands(stdin: BinaryIO, channel: Channel, inbox: "queue.Queue[dict |
         elif op == "cancel":
             cancelled.add(command["id"])
         elif op == "generate":
+            channel.send(ev="taken", id=command.get("id"))  # from here on, this engine has it
             inbox.put(command)
         elif op == "shutdown":
             inbox.put(None)
@@ -318,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # The staging pool the server holds for every engine it starts: what an earlier one parked is taken back.
         staging = StagingSegment.attach(spec["staging"]) if spec.get("staging") else None
-        engine = load(spec["model"], progress=False, staging=staging, **spec["options"])
+        # The disk tier's directory lock, held by the server for every engine it starts.
+        engine = load(spec["model"], progress=False, staging=staging, disk_lock=spec.get("disk_lock"),
+                      **spec["options"])
         engine.tokenizer.prepare()  # not on the first long request
     except Exception as e:
         log.error("the engine could not start: %s: %s", type(e).__name__, e)

@@ -276,3 +276,29 @@ def test_faults_at_the_disk_points_skip_and_the_request_is_served(model_file, tm
     else:
         assert stats["skipped_by_reason"]["disk_read:disk_read_failed"] >= 1
         assert stats["disk_entries"] == 2  # not the files' fault: kept
+
+
+def test_two_conversations_alternating_through_a_pool_that_holds_one_keep_every_turn(model_file, tmp_path):
+    """Issue 38's scenario in one process: each conversation's snapshot takes
+    most of the pool, so every turn parks one and reads the other back from
+    disk (waiting for the writer where it still holds the pages). Each turn
+    adds a small snapshot on top (a whole page each): when a conversation's
+    own chain leaves no room, and all of it is on disk, it is parked whole in
+    its place. Every returning turn restores all of the turn before it."""
+    engine = strata_runtime.load(model_file, conversation_cache_dir=str(tmp_path / "c"),
+                                 **{**OPTIONS, "context_length": 1024})
+    history = {name: [{"role": "system", "content": f"You are {name}. " + " ".join(
+        f"Rule {i} of {name}: answer question {i} in one short sentence." for i in range(40))}] for name in "AB"}
+    previous = {}
+    for turn in range(6):
+        for name, messages in history.items():
+            messages.append({"role": "user", "content": f"Question {turn}?"})
+            out = engine.chat(messages, max_tokens=4, temperature=0)
+            messages.append({"role": "assistant", "content": out.text})
+            if turn:
+                assert out.cached_tokens >= previous[name], (name, turn, out.cached_tokens, previous[name])
+            previous[name] = out.prompt_tokens
+    stats = engine.stats()
+    assert stats["chains_consolidated"] >= 1 and stats.get("park_skipped", 0) == 0, stats
+    assert stats["restored_from_disk"] >= 8 and stats["spill_skipped"] == 0
+    engine.close()

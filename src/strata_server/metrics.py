@@ -16,7 +16,9 @@ CACHE_COUNTERS = ("parked", "restored", "live_reused", "checkpoints_saved", "evi
                   "restored_from_disk", "disk_spills", "disk_spill_bytes", "disk_spill_seconds", "disk_reads",
                   "disk_read_bytes", "disk_read_seconds", "disk_evictions",
                   # making room in the pool: waits for the disk writer to let go of a snapshot's pages
-                  "spill_waits", "spill_wait_seconds", "spill_waits_timed_out")
+                  "spill_waits", "spill_wait_seconds", "spill_waits_timed_out",
+                  # a conversation parked whole in place of its chain (on disk) that left no room
+                  "chains_consolidated")
 CACHE_GAUGES = ("parked_now", "checkpoints_now", "pool_bytes_used", "pool_bytes_total", "disk_bytes",
                 "disk_bytes_total", "disk_foreign_entries")
 

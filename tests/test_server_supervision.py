@@ -25,6 +25,12 @@ def _see_503_then_200(server: LiveServer) -> dict:
     """Only /health is polled in between: the restart needs no traffic."""
     body = server.wait_for_health(503, timeout=10)
     assert body["status"] == "restarting"
+    # The dead child is seen at once; its exit is described once it is reaped (moments later).
+    deadline = time.monotonic() + 10
+    while body.get("last_exit") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        code, body = server.health()
+        assert code == 503 and body["status"] == "restarting", body
     server.wait_for_health(200)
     return body
 

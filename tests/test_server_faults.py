@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 from live_server import LiveServer
@@ -152,9 +153,10 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(model_file):
         chunks = iter(stream)
         first = next(chunks)
         os.killpg(proc.pid, signal.SIGTERM)
-        # While the accepted stream runs, the listener stays: a new request gets a 503 to retry, not a refusal.
+        # While the accepted stream runs, the listener stays: a request on a new connection gets a 503 to
+        # retry, not a refused connection.
         server.wait_for_health(503, timeout=10)
-        late = server.post("/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
+        late = httpx.post(f"{server.base}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "server_stopping", late.text
         rest = list(chunks)
         assert rest[-1].choices[0].finish_reason == "length", rest[-1]

@@ -14,23 +14,15 @@ import time
 import openai
 import pytest
 from live_server import LiveServer
+from test_disk_tier import _first, _second
 
 import strata_runtime
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
 OPTIONS = ["--context-length", "512", "--parallel", "1", "--dtype", "float32", "--conversation-cache-mib", "32",
            "--min-free-mib", "0", "--restart-backoff", "0.2", "--start-timeout", "60"]
 START_DEADLINE_S = 60
-
-
-def _first(question):
-    return [SYSTEM, {"role": "user", "content": question}]
-
-
-def _second(question, answer):
-    return _first(question) + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say more."}]
 
 
 @pytest.fixture(scope="module")

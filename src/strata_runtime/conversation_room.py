@@ -111,9 +111,9 @@ class PoolRoom:
         victims = [c for c in self.checkpoints if not c.root and c not in keep]
         if evict_snapshots:
             victims += [s for s in self._heads() if s not in keep]
-        writing = {id(v): [m.stored.spill for m in self._members_dropped(v, keep)
+        writing = {v: [m.stored.spill for m in self._members_dropped(v, keep)
                            if m.stored.spill is not None and not m.stored.spill.finished.is_set()] for v in victims}
-        ready = [v for v in victims if not writing[id(v)]]
+        ready = [v for v in victims if not writing[v]]
         if ready:
             victim = min(ready, key=lambda x: x.last_used)
             if isinstance(victim, Snapshot):
@@ -121,7 +121,7 @@ class PoolRoom:
             else:
                 self._drop(victim)
             return "evicted"
-        spills = [s for v in victims for s in writing[id(v)]] + self._leaving_ram()
+        spills = [s for v in victims for s in writing[v]] + self._leaving_ram()
         if not spills:
             return Skipped(f"staging pool: {_mib(self.pool.free_bytes)} free and nothing more to evict", "pool_full")
         first = min(spills, key=lambda s: s.order)  # the writer takes them in this order

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 SUFFIX, TMP_SUFFIX = ".entry", ".tmp"
 MAX_QUEUED = 64  # spills waiting for the writer; past this the disk is too slow and spills are skipped
-_REMOVED_ON_READ = ("corrupt", "truncated", "version", "changed")  # the file's own fault: removed
+# The file's own fault (another model's included: it was put under this model's name): removed.
+_REMOVED_ON_READ = ("corrupt", "truncated", "version", "changed", "other_model")
 
 __all__ = ["DiskEntry", "DiskTier", "DirectoryRefused", "Spill", "SUFFIX", "TMP_SUFFIX"]
 
@@ -100,8 +101,8 @@ class Spill:
     nobody releases it. The entry may leave RAM meanwhile (``leave_ram``):
     its lease is then freed by the writer once it is finished, so a
     snapshot whose only durable copy is being written is finished, not
-    dropped. ``written``: its file is complete. ``order`` rises with each
-    spill queued (the writer takes them in that order)."""
+    dropped. ``order`` rises with each spill queued (the writer takes them
+    in that order)."""
 
     meta: EntryMeta
     lease: Lease
@@ -109,7 +110,6 @@ class Spill:
     payload_hash: int
     order: int = field(default_factory=lambda: next(_spill_order))
     finished: threading.Event = field(default_factory=threading.Event)
-    written: bool = False
     abandoned: bool = False
     _free: Callable[[Lease], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -128,9 +128,8 @@ class Spill:
         free(self.lease)
         return True
 
-    def _finish(self, written: bool) -> None:
+    def _finish(self) -> None:
         with self._lock:
-            self.written = written
             self.finished.set()
             free, self._free = self._free, None
         if free is not None:
@@ -350,15 +349,14 @@ class DiskTier:
             if job is None:
                 self._queue.task_done()
                 return
-            written = False
             try:
                 if not job.abandoned:
-                    written = self._write(job)
+                    self._write(job)
             finally:
-                job._finish(written)
+                job._finish()
                 self._queue.task_done()
 
-    def _write(self, job: Spill) -> bool:
+    def _write(self, job: Spill) -> None:
         final = self.directory / (job.meta.id + SUFFIX)
         tmp = final.with_suffix(TMP_SUFFIX)
         t0 = time.perf_counter()
@@ -381,11 +379,11 @@ class DiskTier:
                 dirs.remove(tmp)
                 raise
         except _Abandoned:
-            return False
+            return
         except Exception as e:  # a full disk, a write error: the spill is skipped, nothing else
             cause = "no_space" if isinstance(e, OSError) and e.errno == errno.ENOSPC else "write_error"
             self._skip(cause, f"writing {final.name} failed: {describe(e) if not isinstance(e, OSError) else e}")
-            return False
+            return
         nbytes = len(header) + job.meta.payload_bytes
         with self._lock:
             self.entries[job.meta.id] = DiskEntry(job.meta, final, nbytes, job.payload_hash)
@@ -393,7 +391,6 @@ class DiskTier:
             self.counters["disk_spill_bytes"] += nbytes
             self.counters["disk_spill_seconds"] += time.perf_counter() - t0
         self._fit_budget(keep=job.meta.id)
-        return True
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued spill is written (or ``timeout``); whether it finished."""

@@ -15,7 +15,7 @@ from strata_kernels.kv_quant import bytes_per_token, hadamard
 from strata_kernels.formats import lookup_table
 from strata_kernels.attention import decode_attention
 from strata_kernels.paging import BlockTables
-from strata_kernels.reference import kv_dequantize, kv_quantize
+from strata_kernels.reference_kv import kv_dequantize, kv_quantize
 
 FORMATS = ["f16", "int8", "k8v4"]
 # Triton's attention multiplies on the tensor cores: scaled queries, keys,

@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 from .formats import lookup_table
-from .kv_quant import INT4_BLOCK, INT8_GROUP, KVStore
+from .kv_store import INT4_BLOCK, INT8_GROUP, KVStore
 from .launch_plans import kv_quantize_launch
-from .reference import nf4_scale_candidates
+from .reference_kv import nf4_scale_candidates
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _quantize_kernel(x, slots, codes, scales, levels, candidates, HKV, D: tl.con
     # scales: [C, HKV, D // GROUP] float16
     # levels: [16] float32 IQ4_NL levels (BITS=4)
     # candidates: [N_CANDIDATES] float32 multipliers of the block's extreme value, tried as
-    #         scales, the first best kept (BITS=4; reference.nf4_scale_candidates);
+    #         scales, the first best kept (BITS=4; reference_kv.nf4_scale_candidates);
     #         CANDIDATES is N_CANDIDATES rounded up to a power of two
     # grid:   (T * HKV, D // GROUP); program (r, g) quantizes group g of row r = t * HKV + h
     r = tl.program_id(0).to(tl.int64)

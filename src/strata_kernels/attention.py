@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .backends import resolve_backend
 from .kv_quant import KVStore, hadamard, kv_write_consecutive, kv_write_slots
-from .launch import resolve_backend
 from .paging import BlockTables
 
 
@@ -45,7 +45,7 @@ def attention(q: torch.Tensor, store: KVStore, start: int, window: int | None, s
     if store.rotated:
         q = q.float() @ hadamard(d, q.device)
     if chosen in ("torch", "cpu"):  # the CPU kernel covers the decode case above only
-        from .reference import attention as attention_torch
+        from .reference_kv import attention as attention_torch
 
         out = attention_torch(q, store, start, window, scale, tables=tables)
     else:

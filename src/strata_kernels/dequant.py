@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .backends import resolve_backend
 from .formats import FLOAT_TYPES, block_format
-from .launch import resolve_backend
 from .quant_tensor import QuantTensor
 from .reference import DEQUANTIZE_BLOCKS, dequantize_blocks
 
@@ -21,7 +21,7 @@ def dequantize(qt: QuantTensor, dtype: torch.dtype = torch.float32, backend: str
 
     The float32 values equal ``gguf.quants.dequantize`` exactly (on a GPU,
     FMA contraction may move a value by an ulp). ``backend``: see
-    ``launch.resolve_backend``.
+    ``backends.resolve_backend``.
     """
     if qt.qtype not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import CPU_GEMV_MAX_M, resolve_backend
+from .backends import resolve_backend
+from .launch import CPU_GEMV_MAX_M
 from .qmatmul import qmatmul
 from .quant_tensor import QuantTensor
 

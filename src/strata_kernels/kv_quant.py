@@ -16,7 +16,7 @@ their window plus one prefill chunk).
   zero where rotated values crowd (against uniform levels with scale
   max|x|/7 they took the KL divergence to the f16 cache from 0.156 to
   0.110 in one run). Each block keeps the candidate scale with the least
-  squared error (``reference.nf4_scale_candidates``), 15% less than the
+  squared error (``reference_kv.nf4_scale_candidates``), 15% less than the
   extreme-on-a-level scale alone.
 
 Both quantized formats store keys and values rotated by an orthonormal
@@ -32,81 +32,13 @@ nudged runs) the rotation takes int8's KL divergence to the f16 cache from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from .launch import resolve_backend
+from .backends import resolve_backend
+from .kv_store import INT4_BLOCK, INT8_GROUP, KV_FORMATS, KVStore  # noqa: F401  (KV_FORMATS: re-exported)
 from .paging import BlockTables
-
-KV_FORMATS = ("f16", "int8", "k8v4")
-INT8_GROUP = 64
-INT4_BLOCK = 32
-
-
-@dataclass(frozen=True)
-class KVStore:
-    """One layer's keys and values in a cache format.
-
-    Invariant: ``k``/``v`` are ``[capacity, kv_heads, ...]``; for ``f16`` they
-    hold the values; for ``int8`` they hold int8 codes ``[C, Hkv, D]`` with
-    float16 ``k_scales``/``v_scales`` ``[C, Hkv, D // 64]``; for ``k8v4`` ``k``
-    is as in int8 and ``v`` holds packed 4-bit codes ``[C, Hkv, D // 2]``
-    (uint8) with ``v_scales`` ``[C, Hkv, D // 32]``. Quantized formats hold
-    the rows rotated by ``hadamard(head_dim)`` (``rotated``); f16 holds them as given.
-    """
-
-    fmt: str
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scales: torch.Tensor | None
-    v_scales: torch.Tensor | None
-    head_dim: int
-
-    @classmethod
-    def allocate(cls, fmt: str, capacity: int, kv_heads: int, head_dim: int,
-                 device: torch.device | str = "cpu", float_dtype: torch.dtype | None = None) -> "KVStore":
-        if fmt not in KV_FORMATS:
-            raise ValueError(f"kv format must be one of {', '.join(KV_FORMATS)}, got {fmt!r}")
-        if fmt != "f16" and (head_dim % INT8_GROUP or head_dim & (head_dim - 1)):
-            raise ValueError(f"the {fmt} KV format needs a power-of-two head dim of at least 64, got {head_dim}")
-        device = torch.device(device)
-        if fmt == "f16":
-            dtype = float_dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-            shape = (capacity, kv_heads, head_dim)
-            return cls(fmt, torch.zeros(shape, dtype=dtype, device=device),
-                       torch.zeros(shape, dtype=dtype, device=device), None, None, head_dim)
-        k = torch.zeros((capacity, kv_heads, head_dim), dtype=torch.int8, device=device)
-        k_scales = torch.zeros((capacity, kv_heads, head_dim // INT8_GROUP), dtype=torch.float16, device=device)
-        if fmt == "int8":
-            v = torch.zeros_like(k)
-            v_scales = torch.zeros_like(k_scales)
-        else:
-            v = torch.zeros((capacity, kv_heads, head_dim // 2), dtype=torch.uint8, device=device)
-            v_scales = torch.zeros((capacity, kv_heads, head_dim // INT4_BLOCK), dtype=torch.float16, device=device)
-        return cls(fmt, k, v, k_scales, v_scales, head_dim)
-
-    @property
-    def rotated(self) -> bool:
-        """Whether rows are stored in the Walsh-Hadamard basis: queries must be
-        rotated to score them, and attention outputs rotated back."""
-        return self.fmt != "f16"
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scales, self.v_scales) if t is not None)
-
-    def bytes_per_slot(self) -> int:
-        return self.nbytes // self.capacity
 
 
 def bytes_per_token(fmt: str, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
@@ -185,7 +117,7 @@ def kv_write_slots(store: KVStore, slots: torch.Tensor, keys: torch.Tensor, valu
 
         kv_write_triton(store, slots, keys, values)
         return
-    from .reference import kv_quantize
+    from .reference_kv import kv_quantize
 
     for data, scales, x, fmt in ((store.k, store.k_scales, keys, "int8" if store.fmt != "f16" else "f16"),
                                  (store.v, store.v_scales, values, {"k8v4": "nf4"}.get(store.fmt, store.fmt))):
@@ -204,7 +136,7 @@ def kv_read(store: KVStore, positions: torch.Tensor,
             tables: BlockTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[T, Hkv, D]`` (float32, original basis) at ``positions``
     (of one sequence's block table ``tables``, or of a ring without one)."""
-    from .reference import kv_dequantize
+    from .reference_kv import kv_dequantize
 
     slots = _slots(store, positions, tables)
     k, v = kv_dequantize(store, slots)

@@ -1,14 +1,10 @@
-"""Backend choice and the tile settings of every kernel, in one place
-(``launch_plans`` turns them into each Triton kernel's constants and warps)."""
+"""The tile settings of every kernel, in one place (``launch_plans`` turns
+them into each Triton kernel's constants and warps; ``backends`` chooses
+which implementation runs)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-
-import torch
-
-BACKENDS = ("auto", "triton", "torch", "cpu")
 
 # qmatmul: at most this many rows of x take the GEMV path (weights unpacked in
 # registers, products reduced per row); more take the GEMM path (dequantized
@@ -27,32 +23,6 @@ CPU_GEMV_MAX_M = 8
 # Weight rows dequantized at a time on the CPU GEMM side (bounds the temporary:
 # 16384 rows of 640 bf16 values are 21 MB).
 CPU_SLAB_ROWS = 16384
-
-
-def resolve_backend(device: torch.device, backend: str) -> str:
-    """``auto``: CUDA tensors go to Triton, CPU tensors to torch. ``triton`` on
-    CPU tensors runs under the Triton interpreter, which must be switched on
-    before triton is first imported. ``cpu``: the compiled CPU kernels
-    (``cpu_kernels``), asked for explicitly because the first use compiles
-    them."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"backend='cpu' runs on CPU tensors, not on {device.type}")
-        from . import cpu_kernels
-
-        cpu_kernels.built()  # or a RuntimeError saying why they did not build
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before triton is imported, or use backend='torch'"
-        )
-    if backend == "triton" and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"backend='triton' runs on CUDA (or the CPU interpreter), not on {device.type}")
-    return backend
 
 
 @dataclass(frozen=True)

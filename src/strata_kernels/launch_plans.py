@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 
 from ._triton_unpack import HAS_OFFSET, SUB_BLOCK, TRITON_TABLES
 from .formats import block_format
-from .kv_quant import KV_FORMATS
+from .kv_store import KV_FORMATS
 from .launch import GEMV_MAX_M, _pow2_at_least, attention_settings, launch_settings
 
 # Activation dtypes on CUDA: the default path's and dtype="float32"'s.
@@ -214,8 +214,8 @@ def _attention_configs(dtypes) -> list[KernelConfig]:
 
 
 def _kv_quantize_configs(dtypes) -> list[KernelConfig]:
-    from .kv_quant import INT4_BLOCK, INT8_GROUP
-    from .reference import nf4_scale_candidates
+    from .kv_store import INT4_BLOCK, INT8_GROUP
+    from .reference_kv import nf4_scale_candidates
 
     out = []
     for d in HEAD_DIMS:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .backends import resolve_backend
 from .dequant import dequantize
-from .launch import resolve_backend
 from .quant_tensor import QuantTensor
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .launch import resolve_backend
+from .backends import resolve_backend
 
 CHUNK = 64  # tokens per chunk of the chunked delta rule
 

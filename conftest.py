@@ -15,7 +15,7 @@ DATA = Path(__file__).parent / "tests" / "data"
 @pytest.fixture(scope="session")
 def model_file() -> Path:
     """The default model's GGUF, assembled once from the PyPI package."""
-    from strata_runtime.default_model import default_model_path
+    from strata_runtime.files import default_model_path
 
     return default_model_path(progress=False)
 

@@ -42,9 +42,9 @@ def main() -> None:
 
     import strata_runtime
     from strata_kernels import cpu_kernels
-    from strata_runtime.batch import Batch
-    from strata_runtime.generation import prefill
-    from strata_runtime.kv_cache import KVCache
+    from strata_runtime.scheduling import Batch
+    from strata_runtime.models import prefill
+    from strata_runtime.state import KVCache
 
     length = args.context + args.steps + 16
     engine = strata_runtime.load(args.model, dtype=args.dtype, progress=False, conversation_cache_mib=0,

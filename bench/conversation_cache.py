@@ -34,7 +34,7 @@ import httpx
 import torch
 
 import strata_runtime
-from strata_runtime.memory import MiB
+from strata_runtime.conversations import MiB
 
 REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "data" / "gemma-3-270m-q4_k_m.llamacpp.json"
 
@@ -195,7 +195,7 @@ def _memcpy_gbps(nbytes: int) -> float:
 
 def _cold_ttft(engine, prompt: list[int]) -> float:
     cache = engine.new_cache(len(prompt) + 1)
-    from strata_runtime.generation import prefill
+    from strata_runtime.models import prefill
 
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -206,9 +206,9 @@ def _cold_ttft(engine, prompt: list[int]) -> float:
 def _copy_rates(engine, tokens: list[int]) -> tuple[int, float, float]:
     """Park and restore of ``tokens`` alone, in a pool of their own: the
     snapshot's bytes and GB/s each way."""
-    from strata_runtime.conversation_cache import ConversationCache, Parked
-    from strata_runtime.generation import prefill
-    from strata_runtime.staging import StagingPool
+    from strata_runtime.conversations import ConversationCache, Parked
+    from strata_runtime.models import prefill
+    from strata_runtime.conversations import StagingPool
 
     cache = engine.new_cache(len(tokens) + 1)
     with torch.inference_mode():

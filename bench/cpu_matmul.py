@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from strata_kernels import cpu_kernels, dequantize
 from strata_kernels.launch import CPU_GEMV_MAX_M
-from strata_runtime.default_model import default_model_path
-from strata_runtime.gguf_file import GGUFFile
+from strata_runtime.files import default_model_path
+from strata_runtime.files import GGUFFile
 
 KINDS = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 

@@ -40,8 +40,8 @@ def main() -> None:
 
     import strata_runtime
     from strata_kernels import cpu_kernels
-    from strata_runtime.generation import decode_step, prefill
-    from strata_runtime.sampling import Sampler, SamplingParams
+    from strata_runtime.models import decode_step, prefill
+    from strata_runtime.scheduling import Sampler, SamplingParams
 
     engine = strata_runtime.load(args.model, dtype=args.dtype, progress=False, conversation_cache_mib=0,
                                  context_length=args.context + args.steps + 8)
@@ -66,7 +66,7 @@ def main() -> None:
     cpu_kernels.attention_decode = timed(lambda *a: "attention", cpu_kernels.attention_decode)
     cpu_kernels.rms_norm = timed(lambda *a: "norms (+RoPE, residual)", cpu_kernels.rms_norm)
 
-    from strata_runtime.models.fused_decode import FusedDecode
+    from strata_runtime.models import FusedDecode
 
     FusedDecode.__call__ = timed(lambda *a: "layers, fused (2 calls)", FusedDecode.__call__)
     blocks = list(engine.model.layers)

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import strata_runtime  # noqa: E402
-from strata_runtime.drafting import SuffixDrafter  # noqa: E402
+from strata_runtime.speculation import SuffixDrafter  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "strata_runtime" / "drafting.py"
 

@@ -79,7 +79,7 @@ def llama_isa() -> str:
 
 
 def bench_strata(engine, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
-    from strata_runtime.generation import decode_step, prefill
+    from strata_runtime.models import decode_step, prefill
 
     cache = engine.new_cache(len(prompt) + decode_tokens + 1)
     with torch.inference_mode():

@@ -100,9 +100,9 @@ def long_text() -> str:
 
 
 def tokenizer_figures(model: str | None, repeats: int) -> None:
-    from strata_runtime.default_model import default_model_path
-    from strata_runtime.gguf_file import GGUFFile
-    from strata_runtime.tokenizer import Tokenizer
+    from strata_runtime.files import default_model_path
+    from strata_runtime.files import GGUFFile
+    from strata_runtime.text import Tokenizer
 
     path = model or str(default_model_path(progress=False))
     text = long_text()
@@ -145,8 +145,8 @@ def tokenizer_figures(model: str | None, repeats: int) -> None:
 
 
 def stop_figures() -> None:
-    from strata_runtime.sampling import SamplingParams
-    from strata_runtime.text_stream import StopTextStream
+    from strata_runtime.scheduling import SamplingParams
+    from strata_runtime.text import StopTextStream
 
     class Pieces:
         def push(self, token: int) -> str:

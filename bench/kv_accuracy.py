@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import strata_runtime
-from strata_runtime.default_model import default_model_path
+from strata_runtime.files import default_model_path
 from strata_runtime.quality import agreement, logits_of, plain_and_nudged
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "gemma-3-270m-q4_k_m.float32.json"

@@ -26,7 +26,7 @@ import time
 import torch
 
 import strata_runtime
-from strata_runtime.generation import decode_step, prefill
+from strata_runtime.models import decode_step, prefill
 
 PROMPT = "The history of the printing press begins"
 COMMON = dict(progress=False, context_length=1024, conversation_cache_mib=0)
@@ -44,7 +44,7 @@ def decode_seconds_per_token(engine, prompt: list[int], tokens: int) -> float:
 
 def rank_worker(args: argparse.Namespace) -> None:
     """One rank of the two-rank run; rank 0 prints its timings as JSON."""
-    from strata_runtime import ranks
+    from strata_runtime.split import ranks
 
     options = dict(COMMON, devices=["cpu", "cpu"], layer_split=[int(args.layer_split.split(",")[0])],
                    threads=args.rank_threads)

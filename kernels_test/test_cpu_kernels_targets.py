@@ -88,7 +88,7 @@ def test_bfloat16_prefill_matmuls_only_where_torch_has_bf16_hardware(env):
     capped under its bf16 ISA (the emulated AVX2 setting sets both)."""
     if "avx2" not in cpu_kernels.supported_isas():
         pytest.skip("this CPU has no AVX2")
-    code = ("from strata_kernels import cpu_kernels as c; from strata_runtime.compute_path import resolve; "
+    code = ("from strata_kernels import cpu_kernels as c; from strata_runtime.files import resolve; "
             "p = resolve('auto', 'cpu'); print(c.bf16_matmul(), p.prefill_matmuls)")
     clean = {k: v for k, v in os.environ.items() if k not in ("STRATA_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                                               "ONEDNN_MAX_CPU_ISA")}

@@ -15,7 +15,7 @@ import sys
 import torch
 
 import strata_runtime
-from strata_runtime import ranks
+from strata_runtime.split import ranks
 from strata_runtime.testing import inject_fault
 
 OPTIONS = dict(dtype="float32", progress=False, context_length=512, layer_split=[9], threads=1,

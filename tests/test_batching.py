@@ -21,10 +21,10 @@ import torch
 
 import strata_runtime
 from strata_kernels import KVStore
-from strata_runtime.batch import Batch
-from strata_runtime.generation import decode_step, prefill
-from strata_runtime.kv_cache import KVCache
-from strata_runtime.sampling import SamplingParams
+from strata_runtime.scheduling.batch import Batch
+from strata_runtime.models.generation import decode_step, prefill
+from strata_runtime.state.kv_cache import KVCache
+from strata_runtime.scheduling.sampling import SamplingParams
 
 NEAR_TIE = 1e-3  # logits
 LOGIT_ATOL = 2e-3

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from strata_runtime import parked_entry as entry
-from strata_runtime.cache_directory import DirectoryRefused
-from strata_runtime.disk_tier import SUFFIX, TMP_SUFFIX, DiskTier
-from strata_runtime.memory import MiB
-from strata_runtime.parked_entry import EntryRejected
-from strata_runtime.staging import StagingPool
+from strata_runtime.conversations import parked_entry as entry
+from strata_runtime.conversations.directory import DirectoryRefused
+from strata_runtime.conversations.disk_tier import SUFFIX, TMP_SUFFIX, DiskTier
+from strata_runtime.conversations.memory import MiB
+from strata_runtime.conversations.parked_entry import EntryRejected
+from strata_runtime.conversations.staging import StagingPool
 from test_disk_tier import FP, PAGE
 from test_disk_tier import _entry as _spill
 

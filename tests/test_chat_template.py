@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from gguf_factory import write_gguf
 
-from strata_runtime.chat_template import ChatTemplate, ChatTemplateError
-from strata_runtime.gguf_file import GGUFFile
+from strata_runtime.text.chat_template import ChatTemplate, ChatTemplateError
+from strata_runtime.files.gguf_file import GGUFFile
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -56,7 +56,7 @@ def chatml_tokenizer():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers, trainers
 
-    from strata_runtime.tokenizer import CONTROL, NORMAL, Tokenizer, Vocabulary
+    from strata_runtime.text.tokenizer import CONTROL, NORMAL, Tokenizer, Vocabulary
 
     corpus = ["system user assistant: answer briefly. What is two plus two? Four. Thanks!"] * 20
     hf = HFTokenizer(models.BPE())
@@ -76,13 +76,13 @@ CONVERSATION = [{"role": "system", "content": "Answer briefly."}, {"role": "user
 
 
 def _prompt(tokenizer, messages, add_generation_prompt=True):
-    from strata_runtime.chat_prompt import render_and_tokenize
+    from strata_runtime.text.chat_prompt import render_and_tokenize
 
     return render_and_tokenize(ChatTemplate(CHATML), tokenizer, messages, add_generation_prompt, lambda n: None)
 
 
 def test_chatml_turn_boundaries_from_one_prompt_equal_rendering_each_prefix(chatml_tokenizer):
-    from strata_runtime.chat_prompt import TurnMarker
+    from strata_runtime.text.chat_prompt import TurnMarker
 
     marker = TurnMarker.of(ChatTemplate(CHATML), chatml_tokenizer)
     assert marker.token == chatml_tokenizer.ids["<|im_start|>"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Saved, Skipped
-from strata_runtime.generation import forward_chunks
-from strata_runtime.memory import MiB
-from strata_runtime.staging import StagingPool
+from strata_runtime.conversations.cache import ConversationCache, Parked, Restored, Saved, Skipped
+from strata_runtime.models.generation import forward_chunks
+from strata_runtime.conversations.memory import MiB
+from strata_runtime.conversations.staging import StagingPool
 from strata_runtime.testing import inject_fault
 
 

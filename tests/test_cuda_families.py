@@ -37,7 +37,7 @@ def _agreement(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, fl
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_family_matches_the_exact_cpu_path(tmp_path, arch, qtype):
-    from strata_runtime.layers import Linear
+    from strata_runtime.models.layers import Linear
 
     path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, SHAPE, 11, qtype)
     exact = _load(path, dtype="float32")

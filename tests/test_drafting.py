@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_runtime.drafting import SuffixDrafter
+from strata_runtime.speculation.drafting import SuffixDrafter
 
 
 @dataclass

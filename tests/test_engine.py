@@ -7,7 +7,7 @@ import torch
 
 import strata_runtime
 from strata_runtime import Completion, StrataError
-from strata_runtime.chat_template import ChatTemplateError
+from strata_runtime.text.chat_template import ChatTemplateError
 
 PROMPT = "The capital of France is"
 
@@ -46,8 +46,8 @@ def test_seeded_sampling_is_reproducible(engine):
 
 def test_end_of_generation_token_ends_the_loop(engine):
     """A sequence ends at an end-of-generation token, which is not among its tokens."""
-    from strata_runtime.sampling import SamplingParams
-    from strata_runtime.scheduler import Scheduler
+    from strata_runtime.scheduling.sampling import SamplingParams
+    from strata_runtime.scheduling.scheduler import Scheduler
 
     prompt = engine.tokenize(PROMPT)
     first = engine.generate(prompt, max_tokens=1, temperature=0).tokens[0]
@@ -159,7 +159,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(model_file):
 
 @pytest.mark.gpu
 def test_cuda_model_runs_on_gguf_blocks_and_matches_the_cpu(engine, model_file, reference_float32):
-    from strata_runtime.layers import Linear
+    from strata_runtime.models.layers import Linear
 
     gpu = strata_runtime.load(model_file, device="cuda", progress=False, context_length=1024)
     linears = [m for m in gpu.model.modules() if isinstance(m, Linear)]

@@ -20,7 +20,7 @@ import pytest
 from test_memory import _proc, _v2
 
 import strata_runtime
-from strata_runtime.memory import MiB, HostMemory
+from strata_runtime.conversations.memory import MiB, HostMemory
 from strata_runtime.testing import OPTIMIZATION_POINTS, inject_fault
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one short sentence."}
@@ -118,7 +118,7 @@ def test_pool_refused_under_strict_when_it_cannot_fit(model_file):
 def test_load_admits_the_pool_against_a_cgroup_tighter_than_mem_available(model_file, tmp_path, caplog):
     """A fake cgroup v2 tree leaving 300 MiB while MemAvailable says 8 GiB:
     load() shrinks the requested 1 GiB pool to 300 MiB minus the 100 MiB floor."""
-    caplog.set_level("INFO", logger="strata_runtime.staging")
+    caplog.set_level("INFO", logger="strata_runtime.conversations.staging")
     proc = _proc(tmp_path, available_kb=8 * 1024 * 1024, cgroup="0::/svc\n")
     cg = _v2(tmp_path, "/svc", str(4096 * MiB), current=(4096 - 300) * MiB, inactive=0)
     engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=128, memory=HostMemory(proc, cg),
@@ -149,7 +149,7 @@ def test_two_long_conversations_alternating_with_a_pool_too_small_for_both(model
     snapshots and the slots allow more than fit. Every request is served,
     nothing raises, outputs equal runs without any conversation cache, and
     the counters agree with the log."""
-    caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
+    caplog.set_level("INFO", logger="strata_runtime.conversations.cache")
     engine = strata_runtime.load(model_file, parallel=1, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=32,
                                  conversation_cache_slots=8, min_free_mib=0, checkpoint_every=256)
     references = [strata_runtime.load(model_file, dtype="float32", progress=False, context_length=1024, conversation_cache_mib=0)

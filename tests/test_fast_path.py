@@ -19,8 +19,8 @@ import torch
 
 import strata_runtime
 from strata_kernels import cpu_kernels
-from strata_runtime.backend import Backend
-from strata_runtime.layers import Linear
+from strata_runtime.files.backend import Backend
+from strata_runtime.models.layers import Linear
 from strata_runtime.quality import agreement, logits_of
 
 pytestmark = pytest.mark.cpu_kernels  # the AVX2 variant's run repeats these (test_cpu_kernels_targets.py)
@@ -90,7 +90,7 @@ def test_fast_path_decode_steps_stay_close_to_float32(pair):
     the one-query attention, the fused norms): the reference texts fed one
     token per step (the first 128 of each), each step's logits against the
     exact path's."""
-    from strata_runtime.generation import decode_step
+    from strata_runtime.models.generation import decode_step
 
     engine, fast, reference = pair
     texts = [case["tokens"][:128] for case in reference["teacher_forced"]]

@@ -10,7 +10,7 @@ from gguf_factory import write_gguf
 
 import strata_runtime
 from strata_runtime import ModelFileError
-from strata_runtime.gguf_file import GGUFFile, describe_types
+from strata_runtime.files.gguf_file import GGUFFile, describe_types
 
 
 def test_real_model_config_and_tensors(model_gguf):

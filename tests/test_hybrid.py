@@ -17,7 +17,7 @@ from tiny_hybrid import HybridShape, oracle_logits, oracle_model, write_hybrid_m
 from tiny_models import CORPUS
 
 import strata_runtime
-from strata_runtime.generation import decode_step, prefill
+from strata_runtime.models.generation import decode_step, prefill
 
 TEXT = CORPUS[0] + " " + CORPUS[1]
 CASES = [  # (shape, projection type, seed)

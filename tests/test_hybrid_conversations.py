@@ -19,7 +19,7 @@ import pytest
 from tiny_hybrid import HybridShape, write_hybrid_model
 
 import strata_runtime
-from strata_runtime.conversation_cache import common_prefix
+from strata_runtime.conversations.cache import common_prefix
 from strata_runtime.testing import OPTIMIZATION_POINTS, inject_fault
 
 EVERY = 16  # checkpoint_every
@@ -202,8 +202,8 @@ def test_a_forward_that_fails_midway_drops_the_state_it_half_wrote(hybrid_file, 
 def test_an_engine_started_on_a_dead_ones_staging_segment_continues_its_conversations(hybrid_file):
     """Issue 26 on a hybrid model: the recurrent state and the checkpoints
     in the shared pool are taken back and resumed from, token for token."""
-    from strata_runtime.memory import MiB
-    from strata_runtime.staging_segment import StagingSegment
+    from strata_runtime.conversations.memory import MiB
+    from strata_runtime.conversations.staging_segment import StagingSegment
 
     segment, decision = StagingSegment.reserve(64 * MiB, min_free_bytes=0)
     assert not segment.refused, decision.message

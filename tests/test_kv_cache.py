@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import strata_runtime
-from strata_runtime.kv_cache import KVCache, PREFILL_CHUNK
+from strata_runtime.state.kv_cache import KVCache
+from strata_runtime.state.spec import PREFILL_CHUNK
 from strata_runtime.quality import Agreement, logits_of, plain_and_nudged
 
 
@@ -86,7 +87,7 @@ def test_sliding_rings_equal_full_storage(engine):
     ring = engine.logits(tokens)
     model = engine.model
     full = KVCache("f16", model.state_spec(), len(tokens), ring=False)
-    from strata_runtime.generation import forward_chunks
+    from strata_runtime.models.generation import forward_chunks
 
     with torch.inference_mode():
         dense = forward_chunks(model, full, tokens, last_only=False)
@@ -98,7 +99,7 @@ def test_sliding_rings_equal_full_storage(engine):
 def test_export_import_continues_the_same(engine):
     prompt = engine.tokenize("Once upon a time, in a small village,")
     cache = engine.new_cache(128)
-    from strata_runtime.generation import decode_step, prefill
+    from strata_runtime.models.generation import decode_step, prefill
 
     with torch.inference_mode():
         logits = prefill(engine.model, cache, prompt)

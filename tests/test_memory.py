@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_runtime.memory import MiB, HostMemory
+from strata_runtime.conversations.memory import MiB, HostMemory
 
 
 def _proc(root: Path, available_kb: int | str = 8 * 1024 * 1024, cgroup: str | None = None) -> Path:

@@ -12,11 +12,11 @@ from gguf import GGMLQuantizationType as Q
 from tiny_models import Shape, write_tiny_model
 
 import strata_runtime
-from strata_runtime.kv_cache import KVCache
-from strata_runtime.loader import open_model
-from strata_runtime.pipeline import plan_split
-from strata_runtime.placement import Placement
-from strata_runtime.state import AttentionState
+from strata_runtime.state.kv_cache import KVCache
+from strata_runtime.models.loader import open_model
+from strata_runtime.split.pipeline import plan_split
+from strata_runtime.files.placement import Placement
+from strata_runtime.state.spec import AttentionState
 
 SRC = Path(strata_runtime.__file__).parent
 # What only an architecture's own file may read: its ModelArgs, Gemma's embedding

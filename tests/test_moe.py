@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from tiny_models import CORPUS, Shape, moe_config, transformers_logits, transformers_router_choices, write_tiny_model
 
 import strata_runtime
-from strata_runtime.moe import MoEFeedForward
+from strata_runtime.models.moe import MoEFeedForward
 
 TEXT = " ".join(CORPUS[:3])
 CASES = [  # (shape, expert weight type, seed)
@@ -124,8 +124,8 @@ def test_default_path_and_quantized_kv_within_bounds(tmp_path):
 def test_a_two_stage_split_counts_and_runs_the_experts(tmp_path):
     """The planner counts each layer's expert tensors with its weights, and
     an in-process split over two stages gives the one-device logits."""
-    from strata_runtime.gguf_file import GGUFFile
-    from strata_runtime.pipeline import plan_split
+    from strata_runtime.files.gguf_file import GGUFFile
+    from strata_runtime.split.pipeline import plan_split
 
     shape = Shape(hidden=64, layers=4, experts=6, experts_per_token=2, expert_ffn=32, tied=False)
     path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, 6, Q.Q8_0)
@@ -182,10 +182,10 @@ def test_the_conversation_cache_parks_restores_and_skips_faults(tmp_path):
     snapshot is the attention KV, and with no running state there is nothing
     to checkpoint): a restored conversation continues as a cold run does,
     and a failed copy is skipped and leaves the cache cold."""
-    from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Skipped
-    from strata_runtime.generation import forward_chunks
-    from strata_runtime.memory import MiB
-    from strata_runtime.staging import StagingPool
+    from strata_runtime.conversations.cache import ConversationCache, Parked, Restored, Skipped
+    from strata_runtime.models.generation import forward_chunks
+    from strata_runtime.conversations.memory import MiB
+    from strata_runtime.conversations.staging import StagingPool
     from strata_runtime.testing import inject_fault
 
     engine = _load(write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", FAST, 9, Q.Q8_0))

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_runtime import parked_entry as entry
-from strata_runtime.parked_entry import COMMITTED, EntryMeta, EntryRejected
+from strata_runtime.conversations import parked_entry as entry
+from strata_runtime.conversations.parked_entry import COMMITTED, EntryMeta, EntryRejected
 
 FINGERPRINT = "f" * 64
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import strata_runtime
-from strata_runtime.pipeline import Pipeline, SplitError
+from strata_runtime.split.pipeline import Pipeline
+from strata_runtime.files.placement import SplitError
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_a_split_across_the_cpu_and_a_gpu_matches_one_stage(engine, model_file, 
 def test_a_fault_in_one_stage_part_skips_the_checkpoint_on_every_stage(engine, model_file, caplog):
     from strata_runtime.testing import inject_fault
 
-    caplog.set_level("INFO", logger="strata_runtime.conversation_cache")
+    caplog.set_level("INFO", logger="strata_runtime.conversations.cache")
     split = strata_runtime.load(model_file, dtype="float32", progress=False, context_length=512, devices="cpu,cpu", layer_split="9",
                                 conversation_cache_mib=64, min_free_mib=0, checkpoint_every=32)
     prompt = engine.tokenize("The printing press came to Venice in 1469. " * 8)

@@ -9,8 +9,9 @@ import sys
 import pytest
 from test_memory import _proc
 
-from strata_runtime.memory import MiB, HostMemory
-from strata_runtime.pipeline import SplitError, check_split, parse_devices, parse_layer_split, plan_split
+from strata_runtime.conversations.memory import MiB, HostMemory
+from strata_runtime.files.placement import SplitError, check_split, parse_devices, parse_layer_split
+from strata_runtime.split.pipeline import plan_split
 
 
 def test_two_stages_cover_every_layer_and_every_byte(model_gguf):

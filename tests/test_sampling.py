@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_runtime.sampling import Sampler, SamplingParams, apply_penalties, draw, reachable_head
-from strata_runtime.text_stream import StopTextStream
+from strata_runtime.scheduling.sampling import Sampler, SamplingParams, apply_penalties, draw, reachable_head
+from strata_runtime.text.stream import StopTextStream
 
 
 def _draws(params: SamplingParams, logits: torch.Tensor, n: int = 400) -> set[int]:

@@ -15,9 +15,9 @@ import stat
 import pytest
 
 import strata_runtime
-from strata_runtime import parked_entry as entry
-from strata_runtime.memory import MiB
-from strata_runtime.staging_segment import StagingSegment
+from strata_runtime.conversations import parked_entry as entry
+from strata_runtime.conversations.memory import MiB
+from strata_runtime.conversations.staging_segment import StagingSegment
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
 QUESTIONS = ["Name a river in Europe and say where it flows.", "What is a prime number? Give an example."]

@@ -20,12 +20,13 @@ from scipy.stats import chi2_contingency
 
 import strata_runtime
 from strata_runtime.errors import ModelFileError
-from strata_runtime.batch import Batch
-from strata_runtime.generation import decode_step, prefill
-from strata_runtime.kv_pool import KVPool
-from strata_runtime.sampling import SamplingParams
-from strata_runtime.scheduler import Generation, Scheduler
-from strata_runtime.speculation import make_drafter, spare_states
+from strata_runtime.scheduling.batch import Batch
+from strata_runtime.models.generation import decode_step, prefill
+from strata_runtime.state.kv_pool import KVPool
+from strata_runtime.scheduling.sampling import SamplingParams
+from strata_runtime.scheduling.scheduler import Scheduler
+from strata_runtime.scheduling.sequence import Generation
+from strata_runtime.speculation.verify import make_drafter, spare_states
 from strata_runtime.testing import inject_fault
 from tiny_hybrid import HybridShape, write_hybrid_model
 from tiny_models import Shape, write_tiny_model

@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_memory import _proc, _v2
 
-from strata_runtime.memory import MiB, HostMemory
-from strata_runtime.staging import StagingPool
+from strata_runtime.conversations.memory import MiB, HostMemory
+from strata_runtime.conversations.staging import StagingPool
 
 PAGE = 1 * MiB
 
@@ -93,10 +93,10 @@ def test_no_host_allocation_after_start():
     restores of a real KV cache keep working."""
     code = textwrap.dedent("""
         import resource, torch
-        from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Saved
-        from strata_runtime.kv_cache import KVCache
+        from strata_runtime.conversations.cache import ConversationCache, Parked, Restored, Saved
+        from strata_runtime.state.kv_cache import KVCache
         from strata_runtime.state import AttentionState
-        from strata_runtime.staging import StagingPool
+        from strata_runtime.conversations.staging import StagingPool
         cc = ConversationCache(StagingPool(64, 1 << 20), slots=2)   # 64 MiB, reserved at start
         cache = KVCache("int8", [AttentionState(2, 128, 64), AttentionState(2, 128)] * 2, 4096)
         for store in cache.stores:                   # about 1 MiB of live state per sequence
@@ -135,9 +135,9 @@ def test_parks_checkpoints_and_restores_allocate_no_tensor_storage():
     reserved at start) allocate none, however often they run."""
     from torch.profiler import ProfilerActivity, profile
 
-    from strata_runtime.conversation_cache import ConversationCache, Parked, Restored, Saved
-    from strata_runtime.kv_cache import KVCache
-    from strata_runtime.state import AttentionState
+    from strata_runtime.conversations.cache import ConversationCache, Parked, Restored, Saved
+    from strata_runtime.state.kv_cache import KVCache
+    from strata_runtime.state.spec import AttentionState
 
     cc = ConversationCache(StagingPool(64, 1 << 20), slots=2)
     cache = KVCache("int8", [AttentionState(2, 128, 64), AttentionState(2, 128)] * 2, 4096)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from gguf_factory import write_gguf
 
-from strata_runtime.gguf_file import GGUFFile
-from strata_runtime.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer, decode_stream
+from strata_runtime.files.gguf_file import GGUFFile
+from strata_runtime.text.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer, decode_stream
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from strata_runtime import Cancelled, StrataError  # noqa: E402
-from strata_runtime.special_tokens import SpecialTokenSplitter  # noqa: E402
-from strata_runtime.spm import SPM_SPACE, merge_reference  # noqa: E402
+from strata_runtime.text.special_tokens import SpecialTokenSplitter  # noqa: E402
+from strata_runtime.text.spm import SPM_SPACE, merge_reference  # noqa: E402
 
 
 def _split_like_llamacpp(text: str, specials: list[tuple[str, int]]) -> list:

@@ -124,7 +124,7 @@ def oracle_model(path: Path, shape: HybridShape):
     GGUF's weights (dequantized), the converter's transforms undone."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from strata_runtime.gguf_file import GGUFFile
+    from strata_runtime.files.gguf_file import GGUFFile
     from strata_kernels import dequantize
 
     s = shape

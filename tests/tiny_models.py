@@ -205,7 +205,7 @@ def fused_and_layer_by_layer_decode(engine, token_ids: list[int], steps: int = 6
     ``token_ids``, once through each layer's fused decode step
     (``fused_decode.FusedDecode``) and once layer by layer (the fused step
     switched off): ``(fused, layered, number of fused layers)``."""
-    from strata_runtime.generation import decode_step, prefill
+    from strata_runtime.models.generation import decode_step, prefill
 
     blocks = list(engine.model.layers)
     fused = [block.fused_decode for block in blocks]

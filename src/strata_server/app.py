@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from strata_runtime.parked_entry import owner_digest
+from strata_runtime.conversations import owner_digest
 
 from . import openai_api
 from .config import ServerConfig

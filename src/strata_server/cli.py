@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    from strata_runtime.ranks import launched_with_ranks
+    from strata_runtime.split import launched_with_ranks
 
     options = _pick(args, ENGINE_OPTIONS)
     if launched_with_ranks():
@@ -228,7 +228,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _follow(args: argparse.Namespace) -> int:
     """Ranks other than 0 of a torchrun job: run this rank's layers until rank 0 stops."""
-    from strata_runtime.ranks import follow
+    from strata_runtime.split import follow
 
     return follow(args.model, cache_dir=os.environ.get("STRATA_CACHE_DIR"), **_engine_options(args))
 
@@ -312,8 +312,7 @@ def _chat_loop(engine, args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from strata_runtime import EngineConfig
-    from strata_runtime.default_model import default_model_path
-    from strata_runtime.gguf_file import check_gguf_path
+    from strata_runtime.files import check_gguf_path, default_model_path
 
     from .app import run
     from .config import ServerConfig
@@ -360,13 +359,16 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from strata_runtime.default_model import default_model_path
-    from strata_runtime.gguf_file import GGUFFile, bits_per_weight, describe_types
-
-    from strata_runtime.kv_pool import f16_storage_bytes, f16_storage_dtype
-    from strata_runtime.compute_path import resolve
-    from strata_runtime.loader import open_model
-    from strata_runtime.state import RecurrentState, kv_bytes, kv_bytes_per_token, recurrent_bytes
+    from strata_runtime.files import GGUFFile, bits_per_weight, default_model_path, describe_types, resolve
+    from strata_runtime.models import open_model
+    from strata_runtime.state import (
+        RecurrentState,
+        f16_storage_bytes,
+        f16_storage_dtype,
+        kv_bytes,
+        kv_bytes_per_token,
+        recurrent_bytes,
+    )
 
     path = args.model or default_model_path(os.environ.get("STRATA_CACHE_DIR"))
     gguf = GGUFFile.open(path)
@@ -412,7 +414,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _print_split(gguf, args: argparse.Namespace, context: int) -> None:
-    from strata_runtime.pipeline import plan_split
+    from strata_runtime.split import plan_split
 
     stages = plan_split(gguf, args.devices or args.device, args.layer_split, context, args.kv, dtype=args.dtype)
     # A mixture-of-experts model's expert tensors (counted in each stage's weights).
@@ -439,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="strata: %(levelname)s %(name)s: %(message)s")
     from strata_runtime import StrataError
-    from strata_runtime.ranks import launched_with_ranks, this_rank
+    from strata_runtime.split import launched_with_ranks, this_rank
 
     try:
         if args.command in ("generate", "chat", "serve") and launched_with_ranks() and this_rank() != 0:

@@ -203,7 +203,7 @@ def _common(body: dict[str, Any], models: set[str], limits: PromptLimits) -> dic
 
 
 def _check_sampling(sampling: dict[str, Any]) -> None:
-    from strata_runtime.sampling import SamplingParams
+    from strata_runtime.scheduling import SamplingParams
 
     try:
         SamplingParams(**sampling)

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             _arm(point, rate, kind)
     try:
         from strata_runtime import load
-        from strata_runtime.staging_segment import StagingSegment
+        from strata_runtime.conversations import StagingSegment
 
         # The staging pool the server holds for every engine it starts: what an earlier one parked is taken back.
         staging = StagingSegment.attach(spec["staging"]) if spec.get("staging") else None

@@ -13,7 +13,7 @@ process and across ranks, the KV cache, the conversation cache, the planner,
   sequence's rows after the previous one's);
 - ``head(x)``: float32 logits ``[T, vocab]`` (the final norm, then the
   output projection, tied to the token table or not; on the last stage);
-- ``state_spec()``: per layer, the state it keeps (``state.LayerState``);
+- ``state_spec()``: per layer, the state it keeps (``state.spec.LayerState``);
   the same list ``ModelArgs.state_spec()`` gives before any weight is read;
 - ``hidden_size``, ``vocab_size``;
 - ``new_cache(max_tokens, kv)``: that state's storage, reserved once, on
@@ -34,13 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..compute_path import EXACT, ComputePath
-from ..gguf_file import ModelConfig
-from ..kv_cache import KVCache
-from ..layers import TiedEmbedding
-from ..placement import EMBEDDING
-from ..state import AttentionState, LayerState
+from ..files import EMBEDDING, EXACT, ComputePath, ModelConfig
+from ..state import AttentionState, KVCache, LayerState
 from ..testing import fault_point
+from .layers import TiedEmbedding
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from torch import nn
 
 from strata_kernels import cpu_kernels
 
-from ..kv_cache import KVCache
-from ..layers import GatedMLP, Linear, RMSNorm
+from ..state import KVCache
+from .layers import GatedMLP, Linear, RMSNorm
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # gated_mul's codes
 

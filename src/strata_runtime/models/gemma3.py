@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..gguf_file import ModelConfig
-from ..kv_cache import KVCache
-from ..backend import Backend
-from ..layers import GatedMLP, Linear, Projections, RMSNorm, RopeCache, gelu_tanh_mul, rope_inverse_frequencies
+from ..files import Backend, ModelConfig
+from ..state import KVCache
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 from .fused_decode import FusedDecode
+from .layers import GatedMLP, Linear, Projections, RMSNorm, RopeCache, gelu_tanh_mul, rope_inverse_frequencies
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,22 @@ from torch import nn
 from strata_kernels import QuantTensor, cpu_kernels, dequantize
 
 from ..errors import ModelFileError
-from ..gguf_file import ModelConfig
-from ..kv_cache import KVCache
-from ..backend import Backend
-from ..layers import (GatedMLP, Linear, Projections, RMSNorm, RopeCache, apply_rope, rope_inverse_frequencies, silu_mul,
-                      yarn_attention_factor, yarn_inverse_frequencies)
+from ..files import Backend, ModelConfig
+from ..state import KVCache
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
 from .fused_decode import FusedDecode
+from .layers import (
+    GatedMLP,
+    Linear,
+    Projections,
+    RMSNorm,
+    RopeCache,
+    apply_rope,
+    rope_inverse_frequencies,
+    silu_mul,
+    yarn_attention_factor,
+    yarn_inverse_frequencies,
+)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..errors import ModelFileError
-from ..gguf_file import ModelConfig
-from ..layers import silu_mul
-from ..moe import MoEFeedForward
+from ..files import ModelConfig
 from . import llama
+from .layers import silu_mul
 from .llama import Variant
+from .moe import MoEFeedForward
 
 __all__ = ["Model", "ModelArgs"]
 

@@ -24,14 +24,13 @@ from torch import nn
 
 from strata_kernels import dequantize
 
-from ..backend import Backend
-from ..delta_net import DeltaNetShape, GatedDeltaNet
 from ..errors import ModelFileError
-from ..gguf_file import ModelConfig
-from ..layers import GatedMLP, Linear, Projections, RMSNorm, RopeCache, apply_rope, rope_inverse_frequencies, silu_mul
-from ..moe import MoEFeedForward
+from ..files import Backend, ModelConfig
 from ..state import AttentionState, LayerState, RecurrentState
 from .decoder import DecoderArgs, DecoderModel, embedding_table, output_head
+from .delta_net import DeltaNetShape, GatedDeltaNet
+from .layers import GatedMLP, Linear, Projections, RMSNorm, RopeCache, apply_rope, rope_inverse_frequencies, silu_mul
+from .moe import MoEFeedForward
 
 __all__ = ["Model", "ModelArgs"]
 

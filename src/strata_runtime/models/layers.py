@@ -1,0 +1,251 @@
+"""Building blocks shared by the model files: linear layers and embeddings
+over GGUF weights, RMSNorm, rotary embeddings."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows, qmatmul
+from strata_kernels.launch import CPU_GEMV_MAX_M
+
+from ..files import Backend
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` for a GGUF weight of logical shape ``[out, in]``.
+
+    Invariant: exactly one of ``qweight`` (the GGUF blocks, read by
+    ``qmatmul`` without a dense copy, where ``backend.keeps_blocks`` says) and
+    ``weight`` (the dequantization in the backend's activation dtype, exact
+    for float32) is set; ``bias`` is None or ``[out]`` in that dtype.
+    """
+
+    def __init__(self, weight: QuantTensor, backend: Backend, bias: QuantTensor | None = None):
+        super().__init__()
+        dtype = backend.activations
+        self.bias = None if bias is None else nn.Parameter(dequantize(bias, dtype).reshape(-1), requires_grad=False)
+        self.qweight: QuantTensor | None = None
+        self.weight = None
+        if backend.keeps_blocks(weight):
+            self.qweight = weight
+        else:
+            self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
+        # Blocks read by the compiled CPU kernels (see ``Projections``), and
+        # the dtype their prefill GEMMs run in.
+        self.cpu_blocks = self.qweight is not None and backend.cpu_kernels
+        self.gemm_dtype = backend.prefill_matmuls
+        # Through a weak proxy: a layer that held itself in a cycle kept its
+        # weights alive after the model was dropped, until the garbage
+        # collector happened to run (700 MiB a Gemma engine on the exact path).
+        self.projection = Projections(weakref.proxy(self))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(x)[0]
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` by ``F.linear`` or ``qmatmul`` (without ``Projections``' GEMV call)."""
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.cpu_blocks:
+            y = cpu_kernels.qmatmul_cpu(flat, self.qweight, self.gemm_dtype)
+        else:
+            y = qmatmul(flat, self.qweight)
+        return self.add_bias(y.reshape(*x.shape[:-1], self.qweight.rows))
+
+
+class Projections:
+    """``Projections(*layers)(x) == [layer.matmul(x) for layer in layers]`` for
+    linear layers that read the same input (q/k/v, gate/up, or one layer).
+    When all hold CPU blocks and ``x`` is a decode step's few float32 or
+    bfloat16 rows, one GEMV call computes them all: one pass over ``x``, one
+    parallel region, and the kernel's arguments made here once (at decode
+    sizes, building them per call cost a tenth of the product).
+
+    Invariant: ``blocks`` is None or the layers' blocks and GGML type ids in
+    order, as ``cpu_kernels.gemv_blocks`` takes them."""
+
+    def __init__(self, *layers: Linear):
+        self.layers = layers
+        self.blocks = None
+        if all(layer.cpu_blocks for layer in layers):
+            self.blocks = cpu_kernels.gemv_arguments([layer.qweight for layer in layers])
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = x.numel() // x.shape[-1]
+        if self.blocks is None or rows > CPU_GEMV_MAX_M or x.dtype not in (torch.float32, torch.bfloat16):
+            return [layer.matmul(x) for layer in self.layers]
+        outs = cpu_kernels.gemv_blocks(x.reshape(rows, x.shape[-1]), *self.blocks)
+        if len(x.shape) != 2:
+            outs = [y.reshape(*x.shape[:-1], y.shape[-1]) for y in outs]
+        return [layer.add_bias(y) for layer, y in zip(self.layers, outs)]
+
+
+class TiedEmbedding(nn.Module):
+    """The token table, used both to embed tokens and, transposed, to score
+    them. Same storage rule as ``Linear``: GGUF blocks where ``Linear`` keeps
+    them (rows are dequantized as they are looked up), the dense table
+    otherwise."""
+
+    def __init__(self, weight: QuantTensor, backend: Backend):
+        super().__init__()
+        self.out = Linear(weight, backend)
+        self.dtype = backend.activations
+
+    @property
+    def device(self) -> torch.device:
+        return (self.out.weight if self.out.weight is not None else self.out.qweight).device
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.out.weight is not None:
+            return self.out.weight[tokens]
+        return embedding_rows(self.out.qweight, tokens, self.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 scores. A decode step's few rows go in as float32 too (the
+        CPU GEMV accumulates in float32 either way), so the logits are not
+        rounded to bfloat16 (a step of 0.125 at 20) before sampling."""
+        if self.out.qweight is not None and x.shape[0] <= CPU_GEMV_MAX_M:
+            return self.out(x.float())
+        return self.out(x).float()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose GGUF weight is the full multiplier (converters fold in
+    the ``1 +`` that Gemma's checkpoints keep separately).
+
+    ``forward(x, residual=None, rope=None)``: the norm of ``x``, then the
+    rotary embedding ``rope`` (cos, sin) if given, then ``residual +`` if
+    given: the ops that follow a norm in a transformer, one kernel call on
+    the CPU fast path (torch's own rms_norm is five ops there, 25 us at
+    decode sizes), plain torch ops otherwise.
+    """
+
+    def __init__(self, weight: QuantTensor, eps: float, backend: Backend):
+        super().__init__()
+        self.weight = nn.Parameter(dequantize(weight).reshape(-1), requires_grad=False)
+        self.eps = eps
+        self.cpu_kernel = backend.cpu_kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.cpu_kernel:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual, rope)
+        y = F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        if rope is not None:
+            y = apply_rope(y, *rope)
+        return y if residual is None else residual + y
+
+
+def rope_inverse_frequencies(head_dim: int, base: float, linear_scale: float = 1.0) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base ** exponents) / linear_scale
+
+
+def yarn_inverse_frequencies(head_dim: int, base: float, factor: float, original_context: int,
+                             beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """YaRN: each frequency between extrapolated (unscaled, the fast ones
+    that turn more than ``beta_fast`` times over the original context) and
+    interpolated (divided by ``factor``, the slow ones that turn fewer than
+    ``beta_slow`` times), on a linear ramp between the two dimensions; as
+    llama.cpp's ``rope_yarn`` and the YaRN paper compute it. The attention
+    factor that goes with it is ``yarn_attention_factor``."""
+    def dimension_of(rotations: float) -> float:
+        return head_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dimension_of(beta_fast)), 0)
+    high = min(math.ceil(dimension_of(beta_slow)), head_dim - 1)
+    extrapolated = rope_inverse_frequencies(head_dim, base)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's scale of cos and sin (so of queries and keys alike): 1 + 0.1 ln(factor)."""
+    return 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[T, 1, dim]`` for ``apply_rope`` (made once per layer call,
+    shared by its queries and keys)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos()[:, None, :].to(dtype), angles.sin()[:, None, :].to(dtype)
+
+
+class RopeCache:
+    """The cos/sin tables of the latest step, shared by every layer with the
+    same inverse frequencies, so a step computes them once, not per layer.
+
+    Invariant: ``positions`` are consecutive (a step's ``start..start+T-1``),
+    so ``key`` = ``(start, T, dtype, device)`` names ``cached``, the tables;
+    ``positions`` is the tensor ``key`` was read from (kept, so no other
+    tensor takes its identity; positions are never changed in place).
+    """
+
+    def __init__(self):
+        self.key = self.positions = self.cached = None
+
+    def tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        # The same positions tensor reaches every layer of a step: found by
+        # identity before reading its first value (a tensor read per layer
+        # costs a microsecond on the CPU, a device sync on a GPU).
+        if positions is self.positions and self.key[2:] == (dtype, inv_freq.device):
+            return self.cached
+        key = (int(positions[0]), positions.shape[0], dtype, inv_freq.device)
+        if key != self.key:
+            self.key, self.cached = key, rope_tables(positions, inv_freq, dtype)
+        self.positions = positions
+        return self.cached
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NEOX-style rotary embedding (halves rotated) of ``x`` ``[T, heads, dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up``, the gated MLP's middle: one
+    kernel call on the CPU kernels' backend, two torch ops otherwise."""
+    if cpu_kernel:
+        return cpu_kernels.gelu_tanh_mul(gate, up)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``, the SiLU-gated MLP's middle (Llama, Qwen): one
+    kernel call on the CPU kernels' backend, two torch ops otherwise."""
+    if cpu_kernel:
+        return cpu_kernels.silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """``down(act_mul(gate(x), up(x)))`` over layer ``layer``'s ``ffn_gate``,
+    ``ffn_up`` and ``ffn_down`` (each name followed by ``suffix``: ``_shexp``
+    for a MoE's shared expert); ``act_mul`` is the fused ``act(gate) * up``
+    (``gelu_tanh_mul`` for Gemma, ``silu_mul`` for Llama and Qwen)."""
+
+    def __init__(self, layer: int, w, backend: Backend, act_mul, suffix: str = ""):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.gate = Linear(w(f"{p}ffn_gate{suffix}.weight"), backend)
+        self.up = Linear(w(f"{p}ffn_up{suffix}.weight"), backend)
+        self.down = Linear(w(f"{p}ffn_down{suffix}.weight"), backend)
+        self.gate_up = Projections(self.gate, self.up)
+        self.act_mul = act_mul
+        self.cpu_kernel = backend.cpu_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.down(self.act_mul(gate, up, self.cpu_kernel))

@@ -1,7 +1,9 @@
 """The notebook API: ``load()`` a model and talk to it through an ``Engine``.
 
-``load`` reads top-down: the file (``files``), its text side (``text``),
-the model (``models``); then the engine reserves the conversation cache
+``load`` reads top-down: the file (``files``) and what its metadata
+describes (``models.open_model``: a file Strata cannot run fails before
+anything is read), its text side (``text``), the model's weights
+(``models``); then the engine reserves the conversation cache
 (``conversations``), the KV pool (``state``) and the scheduler over it
 (``scheduling``, with ``speculation``). A layer split (``split``) is
 imported only where one is asked for.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -55,9 +58,9 @@ def load(path: str | Path | None = None, *, memory: HostMemory | None = None,
     for name in config.devices or (config.device,):
         check_device(name)
     gguf = GGUFFile.open(path if path is not None else default_model_path(config.cache_dir, progress=config.progress))
+    opened = open_model(gguf)  # the metadata as the architecture reads it: a file Strata cannot run fails first
     tokenizer = Tokenizer.from_gguf(gguf)
     chat_template = chat_template_of(gguf, tokenizer)
-    opened = open_model(gguf)
     check_vocabulary(gguf, tokenizer.vocab.size)
     placement = _placement(opened, config, memory)
     model = build_model(opened, placement, config.dtype, config.progress, f"loading {gguf.path.name}")
@@ -125,9 +128,9 @@ class Engine:
         self.config = config
         self.context_length = min(config.context_length, gguf.config.context_length)
         self.chat_template = chat_template
-        self._turns = TurnMarker.of(chat_template, tokenizer)
-        self.conversations, self.pool_decision = reserve_conversations(
-            CacheSettings.of(config), model.device.type == "cuda", memory, staging)
+        on_cuda = model.device.type == "cuda"  # the staging pool is pinned for a GPU's copies
+        self.conversations, self.pool_decision = reserve_conversations(CacheSettings.of(config), on_cuda, memory,
+                                                                       staging)
         self.scheduler, self.spec_refusal = reserve_scheduler(model, config, self.context_length, tokenizer,
                                                               self.conversations, memory)
         self.recovered: dict[str, Any] | None = None  # what was taken back from a shared staging pool
@@ -142,6 +145,11 @@ class Engine:
                                config.conversation_cache_disk_mib, disk_lock)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
+
+    @cached_property
+    def _turns(self) -> TurnMarker | None:
+        """Where a chat prompt's turns start (checkpoints go there), read from the template once."""
+        return TurnMarker.of(self.chat_template, self.tokenizer)
 
     def persist(self, timeout: float = 30.0) -> bool:
         """Before the engine goes away on purpose: park the conversations

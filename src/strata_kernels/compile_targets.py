@@ -53,13 +53,14 @@ class Target:
     blocks_per_sm: int
     registers_per_sm: int = 65536
     shared_reserved_per_block: int = 1024  # the driver's, per resident block
+    sms: int = 0  # streaming multiprocessors of the largest common part (the bandwidth check's R3)
 
 
 TARGETS = {
-    "sm_80": Target("sm_80", 80, 166912, 167936, 2048, 32),  # A100
-    "sm_86": Target("sm_86", 86, 101376, 102400, 1536, 16),  # RTX 30xx, A10, A40
-    "sm_89": Target("sm_89", 89, 101376, 102400, 1536, 24),  # RTX 40xx, L4, L40S
-    "sm_90": Target("sm_90", 90, 232448, 233472, 2048, 32),  # H100, H200
+    "sm_80": Target("sm_80", 80, 166912, 167936, 2048, 32, sms=108),  # A100
+    "sm_86": Target("sm_86", 86, 101376, 102400, 1536, 16, sms=84),  # RTX 30xx, A10, A40
+    "sm_89": Target("sm_89", 89, 101376, 102400, 1536, 24, sms=142),  # RTX 40xx, L4, L40S
+    "sm_90": Target("sm_90", 90, 232448, 233472, 2048, 32, sms=132),  # H100, H200
 }
 
 
@@ -81,6 +82,7 @@ class CompileResult:
     stack: int = 0
     shared: int = 0  # dynamic + static, bytes
     occupancy: float = 0.0  # resident warps / the SM's maximum
+    loop: dict | None = None  # a decode configuration's main loop (``sass.LoopFigures`` as a dict)
     seconds: float = 0.0
     cached: bool = False
 
@@ -168,7 +170,7 @@ def compile_one(config: KernelConfig, target_name: str) -> CompileResult:
         # As the JIT specializes a launch on torch tensors: every pointer is
         # 16-byte aligned (what lets loads be vectorized); integers unmarked.
         aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-                   for name, kind in config.signature.items() if kind.startswith("*")}
+                   for name, kind in config.signature.items() if kind.startswith("*") or name in config.divisible}
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(ASTSource(fn, dict(config.signature), dict(config.constexprs), aligned),
                                       target=GPUTarget("cuda", target.capability, 32),
@@ -187,16 +189,24 @@ def compile_one(config: KernelConfig, target_name: str) -> CompileResult:
                         f"{target.shared_per_block}")
         return result
     result.occupancy = occupancy(target, result.registers, result.shared, config.num_warps)
+    if config.decode:  # what the memory-bound kernels' loops cost (bandwidth.py judges it)
+        from .sass import disassemble, loop_figures
+
+        result.loop = dataclasses.asdict(loop_figures(disassemble(compiled.asm["cubin"])))
     result.ok = True
     return result
+
+
+_RESULT_VERSION = b"results-2"  # what a result holds: 2 added the decode loops' SASS figures
 
 
 def _source_hash() -> str:
     """The kernels' source and the Triton that compiles them."""
     from importlib.metadata import version
 
-    h = hashlib.sha256(version("triton").encode())
-    for path in sorted(Path(__file__).parent.glob("_triton_*.py")):
+    h = hashlib.sha256(version("triton").encode() + _RESULT_VERSION)
+    here = Path(__file__).parent
+    for path in sorted(here.glob("_triton_*.py")) + [here / "sass.py"]:
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()
 
@@ -206,7 +216,8 @@ def cache_dir() -> Path:
 
 
 def _cache_path(source: str, config: KernelConfig, target: str) -> Path:
-    key = hashlib.sha256(json.dumps([source, repr(config.key), target]).encode()).hexdigest()
+    # A decode configuration's result also holds its loop's figures: a key of its own.
+    key = hashlib.sha256(json.dumps([source, repr(config.key), config.decode, target]).encode()).hexdigest()
     return cache_dir() / key[:2] / f"{key}.json"
 
 

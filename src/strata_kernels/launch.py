@@ -71,6 +71,26 @@ def launch_settings(op: str, m: int, n: int, k: int, block_size: int) -> Launch:
     raise ValueError(f"unknown op {op!r}")
 
 
+def gemv_words_settings(m: int) -> Launch:
+    """The word-planes GEMV (``_triton_gemv_words``): each thread loads 16
+    bytes of a row (a chunk of 4 words) and holds its partial sums; a CTA
+    covers BLOCK_N rows by BLOCK_K chunks per iteration. At one row of x, 32
+    rows a CTA halve the loop's instructions per byte against 16
+    (``bench/bandwidth_check.py``: Q8_0 61 against 107 a KiB on sm_90); more
+    rows of x keep 16, their products already filling the registers."""
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"the GEMV path takes 1 to {GEMV_MAX_M} rows, got {m}")
+    return Launch(_pow2_at_least(m), 32 if m == 1 else 16, 8, 4)
+
+
+def split_k(n_tiles: int, chunks: int, block_c: int, sms: int, per_sm: int = 4) -> int:
+    """The word GEMV's splits of K: ``per_sm`` programs per SM over
+    ``n_tiles`` row tiles, each split at least one ``block_c`` of a row's
+    ``chunks``."""
+    want = -(-per_sm * sms // n_tiles)
+    return max(1, min(want, chunks // block_c))
+
+
 @dataclass(frozen=True)
 class AttentionLaunch:
     splits: int

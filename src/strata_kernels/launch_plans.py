@@ -15,6 +15,7 @@ Imported by the Triton launchers only (it imports triton).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from gguf import GGMLQuantizationType as T
@@ -22,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from ._triton_unpack import HAS_OFFSET, SUB_BLOCK, TRITON_TABLES
 from .formats import block_format
 from .kv_store import KV_FORMATS
-from .launch import GEMV_MAX_M, _pow2_at_least, attention_settings, launch_settings
+from .launch import GEMV_MAX_M, _pow2_at_least, attention_settings, gemv_words_settings, launch_settings
 
 # Activation dtypes on CUDA: the default path's and dtype="float32"'s.
 ACTIVATION_DTYPES = ("bf16", "fp32")
@@ -60,11 +61,13 @@ class KernelConfig:
     constexprs: dict = field(hash=False)
     num_warps: int = 4
     decode: bool = False
+    divisible: tuple = ()  # integer arguments a launch passes as multiples of 16 (the JIT specializes on it)
 
     @property
     def key(self) -> tuple:
-        return (self.module, self.kernel, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
-                self.num_warps)
+        key = (self.module, self.kernel, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
+               self.num_warps)
+        return key + (self.divisible,) if self.divisible else key
 
 
 def triton_dtype(dtype) -> str:
@@ -89,6 +92,26 @@ def gemv_launch(qtype: int, m: int, n: int, k: int) -> KernelLaunch:
     s = launch_settings("gemv", m, n, k, block_format(T(qtype)).block_size)
     return KernelLaunch(dict(weight_constants(qtype), SUB=SUB_BLOCK[int(qtype)], BLOCK_M=s.block_m,
                              BLOCK_N=s.block_n, BLOCK_K=s.block_k), s.num_warps)
+
+
+def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: int | None = None,
+                      num_warps: int | None = None) -> KernelLaunch:
+    """The word-planes GEMV (``_triton_gemv_words``) for ``m`` rows of x
+    (tiles as ``launch.gemv_words_settings`` says, unless given)."""
+    from .word_planes import WORD_TYPES
+
+    s = gemv_words_settings(m)
+    return KernelLaunch(dict(BITS=WORD_TYPES[T(qtype)][0], BLOCK_M=s.block_m, BLOCK_N=block_n or s.block_n,
+                             BLOCK_C=block_c or s.block_k, USE_ASM=True), num_warps or s.num_warps)
+
+
+def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
+    launch = gemv_words_launch(qtype, m, **tiles)
+    pointers = {"xw": "*i32", "xs": "*fp32", "xsum": "*i32", "quants": "*i32", "scales": "*fp16", "out": "*fp32"}
+    config = _config("_triton_gemv_words", "_gemv_words_kernel", _label(f"{T(qtype).name} words", launch, "i16"),
+                     launch, pointers, decode=True)
+    # A row's words and the planes' strides are multiples of 16 for every K a model has (K % 512 == 0).
+    return dataclasses.replace(config, divisible=("WPR", "plane"))
 
 
 def gemm_launch(qtype: int, m: int, n: int, k: int, activations: str) -> KernelLaunch:
@@ -168,6 +191,29 @@ def _label(name: str, launch: KernelLaunch, dtype: str) -> str:
     return f"{name} {tiles} {dtype}"
 
 
+def gemv_config(qtype: int, m: int, n: int, k: int, dtype: str, decode: bool = True) -> KernelConfig:
+    """The GEMV's configuration for ``[m, k] x [n, k]^T`` with ``dtype`` activations."""
+    launch = gemv_launch(qtype, m, n, k)
+    act = {"x": f"*{dtype}", "out": f"*{dtype}", "blocks": "*u8", **_TABLES}
+    return _config("_triton_qmatmul", "_gemv_kernel", _label(T(qtype).name, launch, dtype), launch, act, decode=decode)
+
+
+def attention_config(fmt: str, head_dim: int, t: int, group: int, n_slots: int,
+                     dtype: str) -> tuple[KernelConfig, int]:
+    """The attention kernel's configuration for ``t`` queries of ``group``
+    heads per KV head over ``n_slots`` positions, and its split count."""
+    k_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*i8"}[fmt]
+    v_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*u8"}[fmt]
+    scales = "*fp16"  # a float16 placeholder where the format has none
+    pointers = {"q": f"*{dtype}", "k": k_type, "v": v_type, "k_scales": scales, "v_scales": scales,
+                "levels": "*fp32", "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
+                "part_acc": "*fp32", "part_ml": "*fp32"}
+    launch, splits = attention_launch(t, group, n_slots, head_dim, fmt)
+    label = f"{fmt} D={head_dim} {'decode' if t == 1 else 'prefill'} " + _label("", launch, dtype).strip()
+    return _config("_triton_attention", "_attention_kernel", label, launch, pointers, decode=t == 1,
+                   scalars={"scale": "fp32"}), splits
+
+
 def _weight_configs(dtypes) -> list[KernelConfig]:
     out = []
     for qtype in TRITON_TABLES:
@@ -180,7 +226,7 @@ def _weight_configs(dtypes) -> list[KernelConfig]:
             for m in range(1, GEMV_MAX_M + 1):
                 launch = gemv_launch(qtype, m, _N, _K)
                 label = _label(name, launch, dt)
-                out.append(_config("_triton_qmatmul", "_gemv_kernel", label, launch, act, decode=m == 1))
+                out.append(gemv_config(qtype, m, _N, _K, dt, decode=m == 1))
                 out.append(_config("_triton_qmatmul", "_expert_gemv_kernel", label, launch, {**act, **_ROUTING},
                                    decode=m == 1))
             for m in (16, 32, 64):
@@ -194,22 +240,13 @@ def _weight_configs(dtypes) -> list[KernelConfig]:
 def _attention_configs(dtypes) -> list[KernelConfig]:
     out = []
     for fmt in KV_FORMATS:
-        k_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*i8"}[fmt]
-        v_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*u8"}[fmt]
-        scales = "*fp16"  # a float16 placeholder where the format has none
         for d in HEAD_DIMS:
             for dt in dtypes:
                 # (A rotated store's queries arrive in float32 whatever the
                 # activations: the fp32 configurations cover them.)
-                pointers = {"q": f"*{dt}", "k": k_type, "v": v_type, "k_scales": scales, "v_scales": scales,
-                            "levels": "*fp32", "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
-                            "part_acc": "*fp32", "part_ml": "*fp32"}
                 shapes = [(1, g, 8192) for g in (1, 2, 4, 8, 16, 32, 64)] + [(512, 4, 8192)]
                 for t, group, n_slots in shapes:
-                    launch, _ = attention_launch(t, group, n_slots, d, fmt)
-                    label = f"{fmt} D={d} {'decode' if t == 1 else 'prefill'} " + _label("", launch, dt).strip()
-                    out.append(_config("_triton_attention", "_attention_kernel", label, launch, pointers,
-                                       decode=t == 1, scalars={"scale": "fp32"}))
+                    out.append(attention_config(fmt, d, t, group, n_slots, dt)[0])
     return out
 
 

@@ -284,12 +284,18 @@ def _recurrent_configs() -> list[KernelConfig]:
     return out
 
 
+def _word_gemv_configs() -> list[KernelConfig]:
+    from .word_planes import WORD_TYPES
+
+    return [gemv_words_config(int(qtype), m) for qtype in WORD_TYPES for m in range(1, GEMV_MAX_M + 1)]
+
+
 def configurations(dtypes=ACTIVATION_DTYPES) -> list[KernelConfig]:
     """Every distinct configuration of every Triton kernel its launcher can
     choose for activations in ``dtypes``, each once, in a stable order."""
     seen, out = set(), []
-    for config in (_weight_configs(dtypes) + _attention_configs(dtypes) + _kv_quantize_configs(dtypes)
-                   + _recurrent_configs()):
+    for config in (_weight_configs(dtypes) + _word_gemv_configs() + _attention_configs(dtypes)
+                   + _kv_quantize_configs(dtypes) + _recurrent_configs()):
         if config.key not in seen:
             seen.add(config.key)
             out.append(config)

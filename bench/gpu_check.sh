@@ -4,7 +4,7 @@
 # gguf as a wheel prepared beside the checkout:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 # Then:
-#   bash bench/gpu_check.sh            # each step under its own timeout, 16 minutes at most
+#   bash bench/gpu_check.sh            # each step under its own timeout, 17 minutes at most
 # It runs every GPU-marked test with compiled kernels (kernels_test/ and
 # tests/), the kernel microbenchmarks as pytest-benchmark tests (their JSON
 # kept), then the benchmarks the kernel and KV work asks for (their large
@@ -39,6 +39,8 @@ timeout 90 python3 bench/kernels.py --crossover --types Q4_K,Q8_0,IQ4_XS,IQ3_S 2
 # 5. qmatmul against the copy bandwidth and a bf16 matmul, the target shape class.
 timeout 120 python3 bench/kernels.py --types Q4_K,Q8_0,IQ4_XS,IQ3_S,Q6_K --shapes 4096x14336,14336x4096 \
     --m 1,8,64,512 --csv "$out/kernels-cuda.csv" 2>&1 | tee "$out/kernels.txt"
+# 5b. The word-layout GEMV (Q8_0, Q4_0) against today's GEMV and dense bf16, each call alone in a CUDA graph.
+timeout 60 python3 bench/gemv_words.py --csv "$out/gemv-words.csv" 2>&1 | tee "$out/gemv-words.txt"
 # 6. Decode attention per KV format at 4K-128K.
 timeout 60 python3 bench/attention.py 2>&1 | tee "$out/attention.txt"
 # 7. Mixture-of-experts matmuls: 128 experts of 768x2048, top-8, M = 1, 8, 512.

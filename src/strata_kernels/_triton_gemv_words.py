@@ -17,6 +17,8 @@ equal bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -136,6 +138,14 @@ def _pairs(bits: int) -> list[list[tuple[int, int]]]:
            [[(16 + 4 * i + o, 16 + 4 * i + o + 1) for i in range(4)] for o in (0, 2)]
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_index(bits: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``_pairs`` as index tensors on ``device``, made once (a call inside a
+    CUDA graph capture must not copy from the host)."""
+    return [(torch.tensor([p[0] for p in pairs], device=device), torch.tensor([p[1] for p in pairs], device=device))
+            for pairs in _pairs(bits)]
+
+
 def prepare_activations(x: torch.Tensor, bits: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x ``[M, K]`` as the kernel reads it, padded with zeros to ``rows``
     rows: 16-bit codes per 32 values (scale max|x| / 32767) paired into
@@ -149,9 +159,7 @@ def prepare_activations(x: torch.Tensor, bits: int, rows: int) -> tuple[torch.Te
     scale = xf.abs().amax(dim=2) / 32767.0
     codes = torch.round(xf / torch.where(scale > 0, scale, 1.0)[..., None]).to(torch.int32)
     planes = []
-    for pairs in _pairs(bits):
-        lo = torch.tensor([p[0] for p in pairs], device=x.device)
-        hi = torch.tensor([p[1] for p in pairs], device=x.device)
+    for lo, hi in _pair_index(bits, x.device):
         word = (codes[:, :, lo] & 0xFFFF) | (codes[:, :, hi] << 16)  # [M, KB, words per block]
         planes.append(word.reshape(m, -1))
     return torch.stack(planes).contiguous(), scale.contiguous(), codes.sum(dim=2, dtype=torch.int32).contiguous()

@@ -44,7 +44,7 @@ from .sass import LoopFigures
 R1_MIN = 4.0
 R2_MAX = {"sm_90": 128.0, "sm_86": 256.0}
 R3_MIN_WAVES = 2.0
-CHECK_TARGETS = ("sm_86", "sm_90")
+CHECK_TARGETS = ("sm_86", "sm_90")  # compile_targets.LOOP_TARGETS reads their loops
 
 GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ3_S", "IQ2_XXS")
 GEMV_SHAPES = ((4096, 14336), (14336, 4096))  # N x K: an 8B model's MLP down and up/gate projections

@@ -2,7 +2,7 @@
 call timed alone: captured in a CUDA graph and replayed (no Python between
 launches), at the decode shapes of an 8B model.
 
-For each type with a word layout (Q8_0, Q4_0), weight shape and M: the time
+For each type with a word layout (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_XS), weight shape and M: the time
 of the word GEMV (activations prepared in the same graph), of ``qmatmul``'s
 GEMV on the GGUF blocks, and of ``torch.matmul`` on a bf16 weight of the same
 shape (the practical roof: it reads 2 bytes a weight where these read ~1 or
@@ -12,7 +12,7 @@ this device's copy bandwidth.
     python bench/gemv_words.py [--shapes 4096x14336,14336x4096] [--m 1,2,4,8] [--csv FILE]
 
 On a CPU it runs the word GEMV once under the Triton interpreter at a small
-shape against float64 products: a smoke run, not a measurement.
+shape against float64 products, every type: a smoke run, not a measurement.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels_test"))
 from helpers import random_quant_tensor  # noqa: E402  (test helper: random GGUF blocks)
 
 from strata_kernels.word_planes import WORD_TYPES, WordPlanes, dequantize_planes  # noqa: E402
+
+
+def block_size(qtype) -> int:
+    return 256 if WORD_TYPES[qtype].superblocks else 32
 
 
 def graph_seconds(fn, reps: int = 50) -> float:
@@ -68,10 +72,11 @@ def smoke() -> int:
     from strata_kernels._triton_gemv_words import gemv_words
 
     for qtype in WORD_TYPES:
-        planes = WordPlanes.of(random_quant_tensor(qtype, 64, 8, seed=1))
+        planes = WordPlanes.of(random_quant_tensor(qtype, 64, 256 // block_size(qtype), seed=1))
         x = torch.randn(2, planes.cols)
-        err = (gemv_words(x, planes, block_c=2).double() - x.double() @ dequantize_planes(planes).double().T).abs()
-        print(f"{qtype.name}: interpreter smoke run at 64x256, M=2: max |error| {err.max().item():.2e} "
+        ref = x.double() @ dequantize_planes(planes).double().T
+        err = (gemv_words(x, planes, block_c=8).double() - ref).abs().max() / ref.abs().max()
+        print(f"{qtype.name}: interpreter smoke run at 64x256, M=2: max |error| / max |product| {err.item():.1e} "
               "(no GPU here: not a measurement)")
     return 0
 
@@ -95,7 +100,7 @@ def main() -> int:
     for qtype in WORD_TYPES:
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
-            qt = random_quant_tensor(qtype, n, k // 32, seed=n).to("cuda")
+            qt = random_quant_tensor(qtype, n, k // block_size(qtype), seed=n).to("cuda")
             planes = WordPlanes.of(qt)
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             for m in (int(v) for v in args.m.split(",")):

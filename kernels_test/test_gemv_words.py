@@ -13,24 +13,60 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
 from helpers import random_quant_tensor
-from strata_kernels.word_planes import WORD_TYPES, WordPlanes, dequantize_planes
+from strata_kernels.word_planes import WORD_TYPES, WordPlanes, bytes_per_weight, dequantize_planes
 
 TYPES = list(WORD_TYPES)
 
 
+def _blocks_for(qtype, cols: int) -> int:
+    """GGUF blocks a row of ``cols`` weights holds in ``qtype``."""
+    return cols // (256 if WORD_TYPES[qtype].superblocks else 32)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_the_word_layout_holds_the_blocks_weights_bit_for_bit(qtype):
-    qt = random_quant_tensor(qtype, 5, 6, seed=int(qtype))
+    qt = random_quant_tensor(qtype, 5, _blocks_for(qtype, 768), seed=int(qtype))
     planes = WordPlanes.of(qt)
     expected = torch.from_numpy(gguf_quants.dequantize(qt.data.numpy(), qtype)).reshape(5, -1)
     assert torch.equal(dequantize_planes(planes), expected)
-    assert planes.nbytes == qt.nbytes  # codes and scales, nothing added
-    assert planes.quants.is_contiguous() and planes.scales.shape == (6, 5)
+    assert planes.nbytes == pytest.approx(bytes_per_weight(qtype) * 5 * 768)
+    if qtype in (T.Q8_0, T.Q4_0):
+        assert planes.nbytes == qt.nbytes  # codes and scales, nothing added
+    else:  # a 16-bit sub-block word where the blocks pack 12 bits (IQ4_XS: 8), at most ~12% more
+        assert qt.nbytes < planes.nbytes <= 1.09 * qt.nbytes
+    assert all(p.is_contiguous() and p.device == qt.device for p in planes.planes)
+    assert planes.quants.shape == (5, 768 * planes.bits // 32)
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_every_high_bit_lands_on_its_own_weight(qtype):
+    """Codes that differ from a block's in one weight's high bits alone
+    dequantize differently in that weight alone (a high-bit word laid out
+    wrong would move or lose it)."""
+    qt = random_quant_tensor(qtype, 1, 1, seed=5)
+    base = dequantize_planes(WordPlanes.of(qt))
+    planes = WordPlanes.of(qt)
+    moved = 0
+    for weight in (0, 5, 17, 31, 100, 255):
+        chunk, i = divmod(weight, 32)
+        half, within = divmod(i, 16)
+        word, byte = divmod(within, 4)
+        high = planes.high.clone().view(torch.uint8)
+        if qtype == T.Q5_K:
+            high[0, 4 * chunk + byte] ^= 1 << (word + 4 * half)
+        else:
+            high[0, 8 * chunk + 4 * half + byte] ^= 1 << (2 * word)
+        flipped = dequantize_planes(WordPlanes(qtype, 1, 256, planes.quants, high=high.view(torch.int32),
+                                               sub=planes.sub, supers=planes.supers))
+        changed = (flipped != base).nonzero()[:, 1].tolist()
+        assert changed in ([weight], [])  # [] only where the weight's sub-block scale is 0
+        moved += changed == [weight]
+    assert moved >= 4
 
 
 def test_a_type_without_a_word_layout_is_refused_by_name():
-    with pytest.raises(ValueError, match="Q4_K has no word layout; types with one: Q8_0, Q4_0"):
-        WordPlanes.of(random_quant_tensor(T.Q4_K, 2, 1, seed=1))
+    with pytest.raises(ValueError, match="IQ3_S has no word layout; types with one: Q8_0, Q4_0, Q4_K"):
+        WordPlanes.of(random_quant_tensor(T.IQ3_S, 2, 1, seed=1))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -39,11 +75,11 @@ def test_a_type_without_a_word_layout_is_refused_by_name():
 def test_gemv_matches_float64_products(qtype, m, splits):
     from strata_kernels._triton_gemv_words import gemv_words
 
-    qt = random_quant_tensor(qtype, 37, 16, seed=m + 10 * splits)  # 37 rows: a partial row tile
+    qt = random_quant_tensor(qtype, 37, _blocks_for(qtype, 512), seed=m + 10 * splits)  # 37 rows: a partial tile
     planes = WordPlanes.of(qt)
     x = torch.randn(m, qt.cols, generator=torch.Generator().manual_seed(m))
     x[0, :32] *= 1000  # blocks of x at very different scales
-    out = gemv_words(x, planes, splits=splits, block_c=4)
+    out = gemv_words(x, planes, splits=splits, block_c=8 if planes.kind.superblocks else 4)
     ref = x.double() @ dequantize_planes(planes).double().T
     # 16-bit codes per 32 values: each block's products within 2^-15 of its largest |x| times |w|.
     bound = (x.double().abs().view(m, -1, 32).amax(dim=2) / 32767 * 32 * 0.6
@@ -60,13 +96,21 @@ def test_k_that_is_not_whole_tiles_is_refused():
         gemv_words(torch.randn(1, planes.cols), planes, block_c=4)
 
 
+def test_a_superblock_tile_that_splits_a_superblock_is_refused():
+    from strata_kernels._triton_gemv_words import gemv_words
+
+    planes = WordPlanes.of(random_quant_tensor(T.Q4_K, 4, 2, seed=2))
+    with pytest.raises(ValueError, match="whole superblocks of 8 chunks, got 4"):
+        gemv_words(torch.randn(1, planes.cols), planes, block_c=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 8])
 def test_compiled_gemv_equals_its_plain_form_and_the_products_at_real_size(qtype, m):
     from strata_kernels._triton_gemv_words import gemv_words
 
-    qt = random_quant_tensor(qtype, 4096, 14336 // 32, seed=3).to("cuda")
+    qt = random_quant_tensor(qtype, 4096, _blocks_for(qtype, 14336), seed=3).to("cuda")
     planes = WordPlanes.of(qt)
     x = torch.randn(m, qt.cols, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
     with_dp2a = gemv_words(x, planes, use_asm=True)

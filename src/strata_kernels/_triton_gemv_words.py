@@ -22,6 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType as T
 
 from .launch import split_k
 from .launch_plans import gemv_words_launch
@@ -65,92 +66,235 @@ def _dp2a_first(a, b, HI: tl.constexpr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _gemv_words_kernel(
-    xw, xs, xsum, quants, scales, out, M, N, WPR, plane, KB, chunks_per_split,
+    xw, xmeta, quants, scales, out, M, N, WPR, KB, chunks_per_split,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
-    # xw:      int32 [PLANES, BLOCK_M, WPR]: x's 16-bit codes in pairs, plane p meeting lane p of each weight
-    #          word; plane: BLOCK_M * WPR, the planes' stride
-    # xs:      float32 [BLOCK_M, KB]: x's scale per 32 values; xsum: int32 [BLOCK_M, KB], the codes' sum
-    #          per 32 (4-bit codes); rows past M are zeros
+    # xw:      int32 [BLOCK_M, WPR / 4, PLANES, 4]: x's 16-bit codes in pairs, per chunk of 4 weight words
+    #          the PLANES words that meet each (plane p meeting lane pair p of a weight word)
+    # xmeta:   float32 [BLOCK_M, KB, 2]: x's scale per 32 values and its codes' sum; rows past M are zeros
     # quants:  int32 [N, WPR] code words; scales: float16 [KB, N] (block-column-major)
     # out:     float32 [splits, M, N]: each split's partial sums
     # grid:    (cdiv(N, BLOCK_N), splits); program (pn, ps) reads rows pn*BLOCK_N.. over chunks
     #          ps*chunks_per_split.. (a chunk: 4 words of a row, 16 bytes)
+    # Offsets are int32 and computed once; an iteration adds its start to them.
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     WPB: tl.constexpr = BITS  # words per 32-weight block (32 * BITS / 32)
+    PLANES: tl.constexpr = 2 if BITS == 8 else 4
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < N
     n_safe = tl.where(n_in, n, 0)
-    m = tl.arange(0, BLOCK_M)  # x's planes hold BLOCK_M rows (zeros past M): loads need no mask
+    m = tl.arange(0, BLOCK_M)  # x holds BLOCK_M rows (zeros past M): loads need no mask
     m_in = m < M
     c = tl.arange(0, BLOCK_C)
     j = tl.arange(0, 4)
     chunks = WPR // 4
     c_start = ps * chunks_per_split
     c_stop = tl.minimum(c_start + chunks_per_split, chunks)
+    q_off = n_safe[:, None, None] * WPR + (c * 4)[None, :, None] + j[None, None, :]
+    # x in the products' own shape [M, N, C, 4], the same words for every row: a thread loads them once
+    # for the rows it holds, 16 bytes a load, with no layout conversion through shared memory
+    x_off = ((m[:, None, None, None] * chunks + c[None, None, :, None]) * (PLANES * 4) + j[None, None, None, :]
+             + tl.zeros([BLOCK_N], tl.int32)[None, :, None, None])
+    b = c * 4 // WPB  # each chunk's block, from the iteration's first
+    d_off = b[None, :] * N + n_safe[:, None]
+    meta_off = (m[:, None] * KB + b[None, :]) * 2
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_C), dtype=tl.float32)
     for c0 in range(c_start, c_stop, BLOCK_C):  # a split's chunks are whole BLOCK_Cs: no mask in the loop
-        cc = c0 + c
-        w = cc[:, None] * 4 + j[None, :]  # [C, 4] word of the row
-        q = tl.load(quants + n_safe[:, None, None] * WPR + w[None, :, :])
-        # x in the products' own shape [M, N, C, 4] (each thread loads the words its row meets: no
-        # layout conversion through shared memory; they come from L1, shared by every row)
-        # (n >> 30) * 4 is 0, but not to the compiler: x loads in the products' own shape, 16 bytes
-        # a thread, instead of a tiny tile spread a word a thread and converted through shared memory
-        x_at = m[:, None, None, None] * WPR + w[None, None, :, :] + ((n_safe >> 30) * 4)[None, :, None, None]
+        q = tl.load(quants + q_off + c0 * 4)
+        x_at = xw + x_off + c0 * (PLANES * 4)
         if BITS == 8:
-            x0 = tl.load(xw + x_at)
-            x1 = tl.load(xw + plane + x_at)
-            dot = _dp2a_first(x0, q[None, :, :, :], False, USE_ASM)
-            dot = _dp2a(x1, q[None, :, :, :], dot, True, USE_ASM)
+            dot = _dp2a_first(tl.load(x_at), q[None, :, :, :], False, USE_ASM)
+            dot = _dp2a(tl.load(x_at + 4), q[None, :, :, :], dot, True, USE_ASM)
         else:
             low = q & 0x0F0F0F0F
             high = (q >> 4) & 0x0F0F0F0F
-            x0 = tl.load(xw + x_at)
-            x1 = tl.load(xw + plane + x_at)
-            x2 = tl.load(xw + 2 * plane + x_at)
-            x3 = tl.load(xw + 3 * plane + x_at)
-            dot = _dp2a_first(x0, low[None, :, :, :], False, USE_ASM)
-            dot = _dp2a(x1, low[None, :, :, :], dot, True, USE_ASM)
-            dot = _dp2a(x2, high[None, :, :, :], dot, False, USE_ASM)
-            dot = _dp2a(x3, high[None, :, :, :], dot, True, USE_ASM)
-        total = tl.sum(dot, axis=3)  # [M, N, C]: one chunk's 4 words, all in one thread
-        b = cc * 4 // WPB  # the chunk's block
+            dot = _dp2a_first(tl.load(x_at), low[None, :, :, :], False, USE_ASM)
+            dot = _dp2a(tl.load(x_at + 4), low[None, :, :, :], dot, True, USE_ASM)
+            dot = _dp2a(tl.load(x_at + 8), high[None, :, :, :], dot, False, USE_ASM)
+            dot = _dp2a(tl.load(x_at + 12), high[None, :, :, :], dot, True, USE_ASM)
+        total = tl.sum(dot, axis=3).to(tl.float32)  # [M, N, C]: one chunk's 4 words, all in one thread
+        b0 = c0 * 4 // WPB
+        sx = tl.load(xmeta + meta_off + b0 * 2)
         if BITS == 4:  # a weight is its nibble minus 8
-            sums = tl.load(xsum + m[:, None] * KB + b[None, :])
-            total -= 8 * sums[:, None, :]
-        d = tl.load(scales + b[None, :] * N + n_safe[:, None]).to(tl.float32)
-        sx = tl.load(xs + m[:, None] * KB + b[None, :])
-        acc += total.to(tl.float32) * d[None, :, :] * sx[:, None, :]
+            total -= 8 * tl.load(xmeta + meta_off + b0 * 2 + 1)[:, None, :]
+        d = tl.load(scales + d_off + b0 * N).to(tl.float32)
+        acc += total * d[None, :, :] * sx[:, None, :]
+    result = tl.sum(acc, axis=2)
+    tl.store(out + (ps * M + m[:, None]) * N + n[None, :], result, mask=m_in[:, None] & n_in[None, :])
+
+
+@triton.jit
+def _prmt(a, b, sel, USE_ASM: tl.constexpr):
+    """PTX ``prmt.b32`` (default mode, selectors below 8): byte ``k`` of the
+    result is byte ``sel`` nibble ``k`` of the 8 bytes ``b:a``."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    both = (a.to(tl.int64) & 0xFFFFFFFF) | (b.to(tl.int64) << 32)
+    out = tl.zeros_like(sel)
+    for k in tl.static_range(4):
+        index = (sel >> (4 * k)) & 7
+        out |= (((both >> (8 * index)) & 0xFF) << (8 * k)).to(tl.int32)
+    return out
+
+
+@triton.jit
+def _iq4_lookup(index, bank0, bank1, BANK: tl.constexpr, USE_ASM: tl.constexpr):
+    """The codebook values of 4 nibble selectors (``index`` below 8 each) in
+    one 8-value bank: ``BANK`` 0 holds IQ4's values 0..7, 1 values 8..15.
+    ``bank0`` and ``bank1`` hold each bank's first 4 bytes (values 0..3 and
+    8..11) in registers kept over the loop; the other 4 are the instruction's
+    immediate."""
+    if USE_ASM:
+        if BANK == 0:  # -127, -104, -83, -65 | -49, -35, -22, -10
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0xF6EADDCF, $2;", "=r,r,r", [bank0, index],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0x71594535, $2;", "=r,r,r", [bank1, index],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    if BANK == 0:
+        return _prmt(bank0, tl.full(index.shape, -152379953, tl.int32), index, False)
+    return _prmt(bank1, tl.full(index.shape, 1901675829, tl.int32), index, False)
+
+
+@triton.jit
+def _iq4_values(q, bank0, bank1, USE_ASM: tl.constexpr):
+    """IQ4's codebook values of a word of 8 nibble indices, as two words of
+    signed bytes in the nibbles' order: nibbles 0..3 (the low and high
+    nibble of bytes 0 and 1), then 4..7 (x's IQ4 planes pair to match)."""
+    index = q & 0x77777777
+    bank = 0x32103210 | ((q >> 1) & 0x44444444)  # nibble k: k, or k + 4 (the high bank) where its index >= 8
+    first = _prmt(_iq4_lookup(index, bank0, bank1, 0, USE_ASM), _iq4_lookup(index, bank0, bank1, 1, USE_ASM),
+                  bank, USE_ASM)
+    index = index >> 16
+    second = _prmt(_iq4_lookup(index, bank0, bank1, 0, USE_ASM), _iq4_lookup(index, bank0, bank1, 1, USE_ASM),
+                   bank >> 16, USE_ASM)
+    return first, second
+
+
+@triton.jit
+def _superblock_words(q, high_words, h_off, j, KIND: tl.constexpr):
+    """A chunk's code words as signed bytes, from its nibble words ``q``
+    ``[N, C, 4]`` and, for Q5_K and Q6_K, its high words at ``h_off`` ``[N, C]``:
+    the low nibbles' words (weights 4i..4i+3) and the high nibbles'
+    (16+4i..). Q6_K's bytes are 4 x (code - 32)."""
+    if KIND == 3:  # Q5_K: one high word a chunk, bit i (4 + i) of byte j above weight 4i+j (16+4i+j)
+        h = tl.load(high_words + h_off)[:, :, None]
+        low = (q & 0x0F0F0F0F) | ((h << (4 - j)) & 0x10101010)
+        high = ((q >> 4) & 0x0F0F0F0F) | ((h >> j) & 0x10101010)
+    elif KIND == 4:  # Q6_K: two high words a chunk, bits 2i..2i+1 of byte j above weight 4i+j of each half
+        # (-0x3F3F3F40 is 0xC0C0C0C0, the top two bits of each byte, as an int32)
+        h_low = tl.load(high_words + h_off)[:, :, None]
+        h_high = tl.load(high_words + h_off + 1)[:, :, None]
+        low = ((q << 2) & 0x3C3C3C3C) | ((h_low << (6 - 2 * j)) & -0x3F3F3F40)
+        high = ((q >> 2) & 0x3C3C3C3C) | ((h_high << (6 - 2 * j)) & -0x3F3F3F40)
+    else:  # Q4_K
+        low = q & 0x0F0F0F0F
+        high = (q >> 4) & 0x0F0F0F0F
+    return low, high
+
+
+@triton.jit
+def _gemv_superblock_kernel(
+    xw, xmeta, quants, high_words, sub, supers, out, M, N, WPR, KB, chunks_per_split,
+    KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    # The superblock types (KIND 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 IQ4_XS), as _gemv_words_kernel reads Q4_0 (x
+    # in the same layout), plus: high_words int32 Q5_K [N, KB], Q6_K [N, 2 * KB] (else unused); sub int16
+    # [KB, N], a chunk's integer scales; supers int32 [KB / 8, N], float16 d | dmin << 16.
+    # BLOCK_C and chunks_per_split are multiples of 8: an iteration covers whole superblocks.
+    pn = tl.program_id(0)
+    ps = tl.program_id(1)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = n < N
+    n_safe = tl.where(n_in, n, 0)
+    m = tl.arange(0, BLOCK_M)
+    m_in = m < M
+    c = tl.arange(0, BLOCK_C)
+    j = tl.arange(0, 4)
+    chunks = WPR // 4
+    HIGH: tl.constexpr = 1 if KIND == 3 else 2 if KIND == 4 else 0  # high words a chunk
+    c_start = ps * chunks_per_split
+    c_stop = tl.minimum(c_start + chunks_per_split, chunks)
+    q_off = n_safe[:, None, None] * WPR + (c * 4)[None, :, None] + j[None, None, :]
+    x_off = ((m[:, None, None, None] * chunks + c[None, None, :, None]) * 16 + j[None, None, None, :]
+             + tl.zeros([BLOCK_N], tl.int32)[None, :, None, None])
+    meta_off = (m[:, None] * KB + c[None, :]) * 2
+    sub_off = c[None, :] * N + n_safe[:, None]
+    sup_off = (c // 8)[None, :] * N + n_safe[:, None]
+    h_off = n_safe[:, None] * (HIGH * KB) + c[None, :] * HIGH
+    # IQ4's codebook words (values 0..3 and 8..11), in registers: (n >> 30) is 0, not to the compiler,
+    # which would keep a constant in a uniform register and copy it out at every use
+    bank0 = (-1079142271 + (n_safe >> 30))[:, None, None]
+    bank1 = (639175937 + (n_safe >> 30))[:, None, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_C), dtype=tl.float32)
+    for c0 in range(c_start, c_stop, BLOCK_C):
+        q = tl.load(quants + q_off + c0 * 4)
+        if KIND == 5:
+            low, high = _iq4_values(q, bank0, bank1, USE_ASM)
+        else:
+            low, high = _superblock_words(q, high_words, h_off + c0 * HIGH, j, KIND)
+        x_at = xw + x_off + c0 * 16
+        dot_low = _dp2a_first(tl.load(x_at), low[None, :, :, :], False, USE_ASM)
+        dot_low = _dp2a(tl.load(x_at + 4), low[None, :, :, :], dot_low, True, USE_ASM)
+        sx = tl.load(xmeta + meta_off + c0 * 2)[:, None, :]
+        s = tl.load(sub + sub_off + c0 * N).to(tl.int32)  # [N, C]
+        sup = tl.load(supers + sup_off + (c0 // 8) * N)
+        d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if KIND == 4:  # Q6_K: a scale per 16 weights, bytes 4 x (code - 32)
+            dot_high = _dp2a_first(tl.load(x_at + 8), high[None, :, :, :], False, USE_ASM)
+            dot_high = _dp2a(tl.load(x_at + 12), high[None, :, :, :], dot_high, True, USE_ASM)
+            scaled = (tl.sum(dot_low, axis=3).to(tl.float32) * ((s << 24) >> 24).to(tl.float32)[None, :, :]
+                      + tl.sum(dot_high, axis=3).to(tl.float32) * (s >> 8).to(tl.float32)[None, :, :])
+            acc += scaled * (d * 0.25)[None, :, :] * sx
+        else:
+            dot = _dp2a(tl.load(x_at + 8), high[None, :, :, :], dot_low, False, USE_ASM)
+            dot = _dp2a(tl.load(x_at + 12), high[None, :, :, :], dot, True, USE_ASM)
+            total = tl.sum(dot, axis=3).to(tl.float32)
+            if KIND == 5:  # IQ4_XS: d x scale x codebook value
+                acc += total * (d * s.to(tl.float32))[None, :, :] * sx
+            else:  # Q4_K, Q5_K: d x scale x code - dmin x min
+                dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                sums = tl.load(xmeta + meta_off + c0 * 2 + 1)[:, None, :]
+                acc += (total * (d * (s & 0xFF).to(tl.float32))[None, :, :]
+                        - sums * (dmin * ((s >> 8) & 0xFF).to(tl.float32))[None, :, :]) * sx
     result = tl.sum(acc, axis=2)
     tl.store(out + (ps * M + m[:, None]) * N + n[None, :], result, mask=m_in[:, None] & n_in[None, :])
 
 
 # x's 16-bit code pairs, per plane, for the weight word lanes of each layout:
 # (element of the block) pairs that meet dp2a's lo / hi bytes of word i of a block.
-def _pairs(bits: int) -> list[list[tuple[int, int]]]:
-    if bits == 8:  # word i of a block: weights 4i..4i+3
+def _pairs(pairing: str) -> list[list[tuple[int, int]]]:
+    if pairing == "8":  # word i of a block: weights 4i..4i+3
         return [[(4 * i, 4 * i + 1) for i in range(8)], [(4 * i + 2, 4 * i + 3) for i in range(8)]]
+    if pairing == "iq4":  # IQ4's value words in nibble order: 4i+o then 16+4i+o, o = 0..3 a plane
+        return [[(4 * i + o, 16 + 4 * i + o) for i in range(4)] for o in range(4)]
     # word i of a block: low nibbles weights 4i..4i+3, high nibbles 16+4i..16+4i+3
     return [[(4 * i + o, 4 * i + o + 1) for i in range(4)] for o in (0, 2)] + \
            [[(16 + 4 * i + o, 16 + 4 * i + o + 1) for i in range(4)] for o in (0, 2)]
 
 
-@functools.lru_cache(maxsize=None)
-def _pair_index(bits: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pairing_of(planes: WordPlanes) -> str:
+    """How x's codes pair to meet ``planes``' words (``_pairs``)."""
+    return "iq4" if planes.qtype == T.IQ4_XS else str(planes.bits)
+
+
+@functools.cache
+def _pair_index(pairing: str, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``_pairs`` as index tensors on ``device``, made once (a call inside a
     CUDA graph capture must not copy from the host)."""
     return [(torch.tensor([p[0] for p in pairs], device=device), torch.tensor([p[1] for p in pairs], device=device))
-            for pairs in _pairs(bits)]
+            for pairs in _pairs(pairing)]
 
 
-def prepare_activations(x: torch.Tensor, bits: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x ``[M, K]`` as the kernel reads it, padded with zeros to ``rows``
+def prepare_activations(x: torch.Tensor, pairing: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` as the kernels read it, padded with zeros to ``rows``
     rows: 16-bit codes per 32 values (scale max|x| / 32767) paired into
-    int32 words per plane ``[PLANES, rows, K * bits / 32]``, the scales
-    ``[rows, K / 32]`` and the codes' sums per 32 ``[rows, K / 32]``."""
+    int32 words, the planes of each chunk of 4 weight words together
+    ``[rows, K * bits / 128, planes, 4]``; and per 32 values the scale and the
+    codes' sum ``[rows, K / 32, 2]`` (float32; a sum of 32 codes is exact)."""
     m, k = x.shape
     if rows > m:
         x = torch.cat([x, x.new_zeros(rows - m, k)])
@@ -159,10 +303,12 @@ def prepare_activations(x: torch.Tensor, bits: int, rows: int) -> tuple[torch.Te
     scale = xf.abs().amax(dim=2) / 32767.0
     codes = torch.round(xf / torch.where(scale > 0, scale, 1.0)[..., None]).to(torch.int32)
     planes = []
-    for lo, hi in _pair_index(bits, x.device):
+    for lo, hi in _pair_index(pairing, x.device):
         word = (codes[:, :, lo] & 0xFFFF) | (codes[:, :, hi] << 16)  # [M, KB, words per block]
-        planes.append(word.reshape(m, -1))
-    return torch.stack(planes).contiguous(), scale.contiguous(), codes.sum(dim=2, dtype=torch.int32).contiguous()
+        planes.append(word.reshape(m, -1, 4))  # [M, chunks, 4]
+    words = torch.stack(planes, dim=2).contiguous()  # [M, chunks, planes, 4]
+    meta = torch.stack([scale, codes.sum(dim=2).float()], dim=-1).contiguous()
+    return words, meta
 
 
 def gemv_words(x: torch.Tensor, planes: WordPlanes, splits: int | None = None, use_asm: bool | None = None,
@@ -176,10 +322,12 @@ def gemv_words(x: torch.Tensor, planes: WordPlanes, splits: int | None = None, u
     if k != planes.cols:
         raise ValueError(f"x has {k} columns, the weight {planes.cols}")
     block_m = triton.next_power_of_2(m)
-    xw, xs, xsum = prepare_activations(x, planes.bits, block_m)
+    xw, xmeta = prepare_activations(x, pairing_of(planes), block_m)
     chunks = planes.words_per_row // 4
     if chunks % block_c:
         raise ValueError(f"{chunks} chunks of 4 words a row are not whole tiles of {block_c}")
+    if planes.kind.superblocks and block_c % 8:
+        raise ValueError(f"a superblock type's tile is whole superblocks of 8 chunks, got {block_c}")
     n_tiles = triton.cdiv(planes.rows, block_n)
     if splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -189,8 +337,13 @@ def gemv_words(x: torch.Tensor, planes: WordPlanes, splits: int | None = None, u
     out = torch.empty((splits, m, planes.rows), dtype=torch.float32, device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
-    _gemv_words_kernel[(n_tiles, splits)](
-        xw, xs, xsum, planes.quants, planes.scales, out, m, planes.rows, planes.words_per_row,
-        block_m * planes.words_per_row, k // BLOCK,
-        per_split, **{**launch.constexprs, "USE_ASM": use_asm}, num_warps=launch.num_warps)
+    constexprs = {**launch.constexprs, "USE_ASM": use_asm}
+    common = (m, planes.rows, planes.words_per_row, k // BLOCK, per_split)
+    if planes.scales is not None:
+        _gemv_words_kernel[(n_tiles, splits)](xw, xmeta, planes.quants, planes.scales, out, *common,
+                                              **constexprs, num_warps=launch.num_warps)
+    else:
+        high = planes.high if planes.high is not None else planes.quants
+        _gemv_superblock_kernel[(n_tiles, splits)](xw, xmeta, planes.quants, high, planes.sub, planes.supers,
+                                                   out, *common, **constexprs, num_warps=launch.num_warps)
     return out.sum(dim=0).to(x.dtype)

@@ -49,7 +49,7 @@ CHECK_TARGETS = ("sm_86", "sm_90")  # compile_targets.LOOP_TARGETS reads their l
 GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ3_S", "IQ2_XXS")
 GEMV_SHAPES = ((4096, 14336), (14336, 4096))  # N x K: an 8B model's MLP down and up/gate projections
 GEMV_ROWS = (1, 8)
-WORD_GEMV_TYPES = ("Q8_0", "Q4_0")  # the types with a GPU word layout so far (word_planes)
+WORD_GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS")  # the types with a GPU word layout (word_planes)
 ATTENTION_FORMATS = ("f16", "int8", "k8v4")
 ATTENTION_HEAD_DIMS = (128, 256)
 # The smallest attention a decode step runs here: one sequence, 8 KV heads of
@@ -199,7 +199,7 @@ def rows() -> list[Row]:
     """Every kernel and shape the check covers (bf16 activations, as a GPU runs them)."""
     from .formats import block_format
     from .launch_plans import attention_config, gemv_config, gemv_words_config
-    from .word_planes import WORD_TYPES
+    from .word_planes import WORD_TYPES, bytes_per_weight
 
     out = []
     for name, qtype, m, n, k in gemv_rows():
@@ -211,12 +211,11 @@ def rows() -> list[Row]:
     for name, qtype, m, n, k in gemv_rows(WORD_GEMV_TYPES):
         config = gemv_words_config(qtype, m)
         c = config.constexprs
-        chunks = k * WORD_TYPES[T(qtype)][0] // 32 // 4
+        chunks = k * WORD_TYPES[T(qtype)].bits // 32 // 4
         splits = split_k(math.ceil(n / c["BLOCK_N"]), chunks, c["BLOCK_C"], PARTS["sm_90"].sms)
-        code_bytes = c["BLOCK_N"] * c["BLOCK_C"] * 16
-        weights = code_bytes * (1 + 2 / WORD_TYPES[T(qtype)][1])  # and a 2-byte scale per block
+        weights = c["BLOCK_N"] * c["BLOCK_C"] * 4 * 32 / WORD_TYPES[T(qtype)].bits  # 4 code words a chunk
         out.append(Row("gemv-words", f"{name} {n}x{k} M={m}", (name, n, k, m), config,
-                       gemv_ctas(c["BLOCK_N"], n, splits), weights / config.num_warps))
+                       gemv_ctas(c["BLOCK_N"], n, splits), weights * bytes_per_weight(T(qtype)) / config.num_warps))
     s = ATTENTION_SHAPE
     for fmt in ATTENTION_FORMATS:
         for d in ATTENTION_HEAD_DIMS:

@@ -94,6 +94,10 @@ def gemv_launch(qtype: int, m: int, n: int, k: int) -> KernelLaunch:
                              BLOCK_N=s.block_n, BLOCK_K=s.block_k), s.num_warps)
 
 
+# The word GEMV's kernel per type: BITS for _gemv_words_kernel, KIND for _gemv_superblock_kernel.
+WORD_KINDS = {T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4, T.IQ4_XS: 5}
+
+
 def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: int | None = None,
                       num_warps: int | None = None) -> KernelLaunch:
     """The word-planes GEMV (``_triton_gemv_words``) for ``m`` rows of x
@@ -101,17 +105,23 @@ def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: i
     from .word_planes import WORD_TYPES
 
     s = gemv_words_settings(m)
-    return KernelLaunch(dict(BITS=WORD_TYPES[T(qtype)][0], BLOCK_M=s.block_m, BLOCK_N=block_n or s.block_n,
+    kind = {"KIND": WORD_KINDS[T(qtype)]} if T(qtype) in WORD_KINDS else {"BITS": WORD_TYPES[T(qtype)].bits}
+    return KernelLaunch(dict(kind, BLOCK_M=s.block_m, BLOCK_N=block_n or s.block_n,
                              BLOCK_C=block_c or s.block_k, USE_ASM=True), num_warps or s.num_warps)
 
 
 def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
     launch = gemv_words_launch(qtype, m, **tiles)
-    pointers = {"xw": "*i32", "xs": "*fp32", "xsum": "*i32", "quants": "*i32", "scales": "*fp16", "out": "*fp32"}
-    config = _config("_triton_gemv_words", "_gemv_words_kernel", _label(f"{T(qtype).name} words", launch, "i16"),
-                     launch, pointers, decode=True)
+    pointers = {"xw": "*i32", "xmeta": "*fp32", "quants": "*i32", "out": "*fp32"}
+    label = _label(f"{T(qtype).name} words", launch, "i16")
+    if T(qtype) in WORD_KINDS:
+        pointers.update({"high_words": "*i32", "sub": "*i16", "supers": "*i32"})
+        config = _config("_triton_gemv_words", "_gemv_superblock_kernel", label, launch, pointers, decode=True)
+    else:
+        pointers["scales"] = "*fp16"
+        config = _config("_triton_gemv_words", "_gemv_words_kernel", label, launch, pointers, decode=True)
     # A row's words and the planes' strides are multiples of 16 for every K a model has (K % 512 == 0).
-    return dataclasses.replace(config, divisible=("WPR", "plane"))
+    return dataclasses.replace(config, divisible=("WPR",))
 
 
 def gemm_launch(qtype: int, m: int, n: int, k: int, activations: str) -> KernelLaunch:

@@ -8,7 +8,8 @@ multiply-add), so the result equals ``gguf.quants.dequantize`` bit for bit.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType as T
@@ -343,6 +344,52 @@ def _iq4_xs(b: Blocks) -> torch.Tensor:
     q = _nibbles(qs, n, 16).reshape(n, -1, 32)
     q = lookup_table("iq4nl_values", b.device)[q.long()]
     return (dl * q).reshape(n, -1)
+
+
+@dataclass(frozen=True)
+class SuperblockParts:
+    """The integers a 256-weight superblock type's blocks hold, unpacked:
+    ``codes`` int32 ``[n, 256]`` (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its
+    offset of 32, IQ4_XS the 4-bit index into its codebook), ``sub`` int32 the
+    sub-block scales (``[n, 8]`` of 32 weights; Q6_K ``[n, 16]`` of 16,
+    signed; IQ4_XS already less its 32), ``mins`` int32 ``[n, 8]`` or None,
+    ``d`` and ``dmin`` the float16 superblock scales ``[n]`` (``dmin`` None
+    where the type has none)."""
+
+    codes: torch.Tensor
+    sub: torch.Tensor
+    mins: torch.Tensor | None
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+
+
+def superblock_parts(b: Blocks, qtype: T) -> SuperblockParts:
+    """``[n, type_size]`` blocks of Q4_K, Q5_K, Q6_K or IQ4_XS as integers."""
+    n = b.shape[0]
+    f16 = lambda field: _view(field, torch.float16).reshape(n)
+    if qtype in (T.Q4_K, T.Q5_K):
+        if qtype == T.Q4_K:
+            d, dmin, scales, qs = _split(b, 2, 2, 12)
+            codes = _nibbles(qs, n, 32)
+        else:
+            d, dmin, scales, qh, qs = _split(b, 2, 2, 12, QK_K // 8)
+            high = (qh.reshape(n, -1, 1, 32) >> _shifts(list(range(8)), (1, 1, 8, 1), qh)).reshape(n, -1) & 1
+            codes = _nibbles(qs, n, 32) | (high << 4)
+        sc, mn = _k_scale_min(scales)
+        return SuperblockParts(codes.int(), sc.int(), mn.int(), f16(d), f16(dmin))
+    if qtype == T.Q6_K:
+        ql, qh, scales, d = _split(b, QK_K // 2, QK_K // 4, QK_K // 16)
+        low = _nibbles(ql, n, 64).reshape(n, -1, 32)
+        high = (qh.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), qh)).reshape(n, -1, 32) & 3
+        return SuperblockParts((low | (high << 4)).reshape(n, -1).int(), _view(scales, torch.int8).int(), None,
+                               f16(d), None)
+    if qtype == T.IQ4_XS:
+        d, scales_h, scales_l, qs = _split(b, 2, 2, QK_K // 64)
+        sh = _u16(scales_h).reshape(n, 1)
+        sh = ((sh >> _shifts(list(range(0, 16, 2)), (1, 8), sh)) & 3).to(torch.uint8)
+        sc = (_nibbles_pairs(scales_l, n) | (sh << 4)).to(torch.int8).int() - 32
+        return SuperblockParts(_nibbles(qs, n, 16).int(), sc, None, f16(d), None)
+    raise ValueError(f"{qtype.name} is not a superblock type with parts (Q4_K, Q5_K, Q6_K, IQ4_XS)")
 
 
 DEQUANTIZE_BLOCKS: dict[T, Callable[[Blocks], torch.Tensor]] = {

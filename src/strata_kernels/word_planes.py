@@ -2,23 +2,42 @@
 from its GGUF blocks (the file stays the source of truth; CPU paths read the
 blocks as they are).
 
-A GGUF block interleaves a 2-byte scale with its codes (Q8_0: 34 bytes per
-32 weights), so a kernel reading blocks gathers bytes one at a time. Here
-the codes of each row are one run of 32-bit words, 16-byte aligned, and the
-scales a plane of their own, stored scale-column-major: the scales of one
-block column for every row are contiguous, so a thread that handles
-several rows reads their scales in one load.
+A GGUF block interleaves scales with its codes (Q8_0: 34 bytes per 32
+weights, Q4_K: 144 per 256), so a kernel reading blocks gathers bytes one at
+a time. Here the codes of each row are one run of 32-bit words, 16-byte
+aligned, and everything else sits in planes of its own. A kernel takes a
+row 32 weights (a *chunk*) at a time: 4 or 8 code words, its high-bit words
+and its sub-block scales.
 
-- Q8_0: ``quants`` int32 ``[rows, cols / 4]``: word ``w`` holds the codes of
-  weights ``4w..4w+3`` (byte ``j``: weight ``4w+j``, signed).
-- Q4_0: ``quants`` int32 ``[rows, cols / 8]``: the 16 code bytes of each
-  block as 4 words, as GGUF stores them (byte ``i`` of the block's bytes:
-  weight ``i`` in its low nibble, weight ``16+i`` in its high one; a weight is
-  its nibble minus 8).
-- ``scales`` float16 ``[cols / 32, rows]``: block ``b``'s scale of row ``r``
-  at ``[b, r]``.
+- ``quants`` int32 ``[rows, cols * bits / 32]``. Q8_0 (8 bits): word ``w``
+  holds the codes of weights ``4w..4w+3`` (byte ``j``: weight ``4w+j``,
+  signed). Every other type (4 bits): each chunk's 16 code bytes as 4 words,
+  byte ``i`` holding weight ``i`` of the chunk in its low nibble and weight
+  ``16+i`` in its high one (GGUF's Q4_0 order; Q4_K and Q5_K reordered to
+  it). Word ``i`` of a chunk thus carries weights ``4i..4i+3`` (low nibbles)
+  and ``16+4i..16+4i+3`` (high nibbles).
+- ``high`` int32, the code bits above the nibble (None for 4-bit types).
+  Q5_K ``[rows, cols / 32]``: one word a chunk, byte ``j`` bit ``i`` (``4+i``)
+  the fifth bit of weight ``4i+j`` (``16+4i+j``). Q6_K ``[rows, cols / 16]``:
+  two words a chunk, the first for weights 0..15, the second for 16..31;
+  byte ``j`` bits ``2i, 2i+1`` the two high bits of weight ``4i+j`` of the
+  half, with their top bit flipped: nibble and high bits together are the
+  6-bit two's complement of ``code - 32``.
+- ``scales`` float16 ``[cols / 32, rows]`` (Q8_0, Q4_0: a weight is scale
+  times its code, Q4_0's less 8), stored scale-column-major: one block
+  column's scales for every row are contiguous, so a thread that handles
+  several rows reads them in one load.
+- ``sub`` int16 ``[cols / 32, rows]`` (superblock types): each chunk's
+  integer sub-block scales. Q4_K, Q5_K: scale in the low byte, min in the
+  high one (6 bits each). Q6_K: the scale of weights 0..15 in the low byte,
+  of 16..31 in the high one (signed). IQ4_XS: the scale (less 32, signed).
+- ``supers`` int32 ``[cols / 256, rows]`` (superblock types): the float16
+  ``d`` in the low half, ``dmin`` (Q4_K, Q5_K; else 0) in the high one.
 
-Bytes: the same as the blocks' (codes and scales, nothing added).
+A weight is then ``d * scale * code - dmin * min`` (Q4_K, Q5_K),
+``d * scale * (code - 32)`` (Q6_K), ``d * scale * kvalues[code]`` (IQ4_XS).
+Bytes: Q8_0 and Q4_0 as their blocks; the superblock types at most 3% more
+(a 16-bit sub word per 32 weights where the blocks pack 12 bits).
 """
 
 from __future__ import annotations
@@ -28,66 +47,174 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as T
 
+from .formats import block_format, lookup_table
 from .quant_tensor import QuantTensor
+from .reference import superblock_parts
 
-BLOCK = 32  # weights per scale in every word layout
-# type -> (code bits, bytes of codes per block)
-WORD_TYPES = {T.Q8_0: (8, 32), T.Q4_0: (4, 16)}
+BLOCK = 32  # weights per chunk (and per scale, in Q8_0 and Q4_0)
+SUPER = 256  # weights per superblock
+
+
+@dataclass(frozen=True)
+class WordType:
+    """How a type's planes are made: code bits in ``quants`` (8 or 4), high
+    words per chunk, and whether scales come as ``sub`` x ``supers``."""
+
+    bits: int
+    high_words: int = 0
+    superblocks: bool = False
+
+
+WORD_TYPES = {
+    T.Q8_0: WordType(8), T.Q4_0: WordType(4),
+    T.Q4_K: WordType(4, 0, True), T.Q5_K: WordType(4, 1, True), T.Q6_K: WordType(4, 2, True),
+    T.IQ4_XS: WordType(4, 0, True),
+}
+
+
+def bytes_per_weight(qtype: T) -> float:
+    """Bytes of every plane per weight (what a GEMV streams)."""
+    kind = WORD_TYPES[qtype]
+    chunk = BLOCK * kind.bits / 8 + 4 * kind.high_words + 2  # codes, high words, a scale or a sub word
+    return chunk / BLOCK + (4 / SUPER if kind.superblocks else 0)
 
 
 @dataclass(frozen=True)
 class WordPlanes:
-    """A 2-D weight ``[rows, cols]`` as code words and a scale plane.
+    """A 2-D weight ``[rows, cols]`` as code words and scale planes (the
+    module's docstring gives each plane's layout per type).
 
-    Invariant: ``quants`` is contiguous int32 ``[rows, cols * bits / 32]``
-    (``bits`` the type's code width) and ``scales`` contiguous float16
-    ``[cols / 32, rows]``, both on one device; ``cols`` is a multiple of 32."""
+    Invariant: every plane present is contiguous and on one device;
+    ``quants`` is int32 ``[rows, cols * bits / 32]``; ``scales`` is present
+    exactly for the types without superblocks, ``sub`` and ``supers``
+    exactly for those with; ``high`` exactly for Q5_K and Q6_K; ``cols`` is a
+    multiple of 32 (of 256 with superblocks)."""
 
     qtype: T
     rows: int
     cols: int
     quants: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+    sub: torch.Tensor | None = None
+    supers: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> WordType:
+        return WORD_TYPES[self.qtype]
 
     @property
     def bits(self) -> int:
-        return WORD_TYPES[self.qtype][0]
+        return self.kind.bits
 
     @property
     def words_per_row(self) -> int:
         return self.quants.shape[1]
 
     @property
+    def planes(self) -> list[torch.Tensor]:
+        return [p for p in (self.quants, self.scales, self.high, self.sub, self.supers) if p is not None]
+
+    @property
     def nbytes(self) -> int:
-        return self.quants.numel() * 4 + self.scales.numel() * 2
+        return sum(p.numel() * p.element_size() for p in self.planes)
 
     @property
     def device(self) -> torch.device:
         return self.quants.device
 
     @classmethod
-    def of(cls, qt: QuantTensor) -> "WordPlanes":
-        """``qt``'s blocks split into code words and scales, on ``qt``'s device."""
+    def of(cls, qt: QuantTensor) -> WordPlanes:
+        """``qt``'s blocks split into code words and scale planes, on ``qt``'s device."""
         if qt.qtype not in WORD_TYPES:
             raise ValueError(f"{qt.qtype.name} has no word layout; types with one: "
                              f"{', '.join(t.name for t in WORD_TYPES)}")
         if len(qt.shape) != 2:
             raise ValueError(f"word planes hold a 2-D weight, got shape {qt.shape}")
-        _, code_bytes = WORD_TYPES[qt.qtype]
-        blocks = qt.data.view(qt.rows, qt.cols // BLOCK, 2 + code_bytes)
-        scales = blocks[:, :, :2].contiguous().view(torch.float16).view(qt.rows, -1).t().contiguous()
-        quants = blocks[:, :, 2:].contiguous().view(qt.rows, -1).view(torch.int32)
-        return cls(qt.qtype, qt.rows, qt.cols, quants, scales)
+        if qt.qtype in (T.Q8_0, T.Q4_0):
+            code_bytes = 32 if qt.qtype == T.Q8_0 else 16
+            blocks = qt.data.view(qt.rows, qt.cols // BLOCK, 2 + code_bytes)
+            scales = blocks[:, :, :2].contiguous().view(torch.float16).view(qt.rows, -1).t().contiguous()
+            quants = blocks[:, :, 2:].contiguous().view(qt.rows, -1).view(torch.int32)
+            return cls(qt.qtype, qt.rows, qt.cols, quants, scales=scales)
+        return _superblock_planes(qt)
+
+
+def _superblock_planes(qt: QuantTensor) -> WordPlanes:
+    rows, chunks = qt.rows, qt.cols // BLOCK
+    parts = superblock_parts(qt.data.reshape(-1, block_format(qt.qtype).type_size), qt.qtype)
+    codes = parts.codes.view(rows, chunks, 2, 16)  # [row, chunk, half, i]: weight 16 * half + i of the chunk
+    nibbles = (codes[:, :, 0] & 0x0F) | ((codes[:, :, 1] & 0x0F) << 4)
+    quants = nibbles.to(torch.uint8).contiguous().view(torch.int32).view(rows, -1)
+    high = None
+    by_word = codes.view(rows, chunks, 2, 4, 4)  # [row, chunk, half, word i, byte j]
+    if qt.qtype == T.Q5_K:
+        bit = (by_word >> 4) & 1
+        shifts = torch.arange(4, device=codes.device).view(1, 1, 1, 4, 1) + 4 * torch.arange(
+            2, device=codes.device).view(1, 1, 2, 1, 1)
+        high = (bit << shifts).sum(dim=(2, 3)).to(torch.uint8)  # [row, chunk, byte j]
+    elif qt.qtype == T.Q6_K:
+        two = ((by_word >> 4) ^ 2) & 3
+        shifts = 2 * torch.arange(4, device=codes.device).view(1, 1, 1, 4, 1)
+        high = (two << shifts).sum(dim=3).to(torch.uint8)  # [row, chunk, half, byte j]
+    if high is not None:
+        high = high.contiguous().view(torch.int32).view(rows, -1)
+    if qt.qtype == T.Q6_K:
+        pairs = parts.sub.view(rows, chunks, 2)
+        sub = (pairs[..., 0] & 0xFF) | (pairs[..., 1] << 8)
+    elif parts.mins is not None:
+        sub = parts.sub.view(rows, chunks) | (parts.mins.view(rows, chunks) << 8)
+    else:
+        sub = parts.sub.view(rows, chunks)
+    d = parts.d.view(torch.int16).int() & 0xFFFF
+    dmin = parts.dmin.view(torch.int16).int() & 0xFFFF if parts.dmin is not None else torch.zeros_like(d)
+    supers = (d | (dmin << 16)).view(rows, -1)
+    return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high,
+                      sub=sub.to(torch.int16).t().contiguous(), supers=supers.t().contiguous())
+
+
+def _codes(planes: WordPlanes) -> torch.Tensor:
+    """int32 ``[rows, cols / 32, 32]``: each weight's code (Q6_K's less 32)."""
+    rows, chunks = planes.rows, planes.cols // BLOCK
+    codes = planes.quants.contiguous().view(torch.uint8).view(rows, chunks, -1).int()
+    if planes.qtype == T.Q8_0:
+        return (codes << 24) >> 24  # signed bytes
+    nib = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # [row, chunk, 32]
+    if planes.qtype == T.Q5_K:
+        byte = planes.high.contiguous().view(torch.uint8).view(rows, chunks, 1, 1, 4).int()
+        shifts = torch.arange(4, device=byte.device).view(1, 1, 1, 4, 1) + 4 * torch.arange(
+            2, device=byte.device).view(1, 1, 2, 1, 1)
+        nib = nib | (((byte >> shifts) & 1) << 4).reshape(rows, chunks, 32)
+    elif planes.qtype == T.Q6_K:
+        byte = planes.high.contiguous().view(torch.uint8).view(rows, chunks, 2, 1, 4).int()
+        shifts = 2 * torch.arange(4, device=byte.device).view(1, 1, 1, 4, 1)
+        six = nib | ((((byte >> shifts) & 3) << 4).reshape(rows, chunks, 32))  # two's complement of code - 32
+        nib = six - ((six & 0x20) << 1)
+    return nib
 
 
 def dequantize_planes(planes: WordPlanes) -> torch.Tensor:
     """float32 ``[rows, cols]``: the torch reference of the layout (equal to
-    the blocks' dequantization, bit for bit)."""
-    codes = planes.quants.contiguous().view(torch.uint8).view(planes.rows, planes.cols // BLOCK, -1)
-    if planes.qtype == T.Q8_0:
-        q = codes.view(torch.int8).float()
-    else:
-        low, high = (codes & 0x0F).float() - 8, (codes >> 4).float() - 8
-        q = torch.cat([low, high], dim=-1)
-    d = planes.scales.t().float().unsqueeze(-1)
-    return (d * q).reshape(planes.rows, planes.cols)
+    the blocks' dequantization, bit for bit: the same products in the same
+    order as ``gguf.quants``)."""
+    rows, chunks = planes.rows, planes.cols // BLOCK
+    codes = _codes(planes)
+    if planes.scales is not None:
+        q = codes.float() - (8 if planes.qtype == T.Q4_0 else 0)
+        return (planes.scales.t().float().unsqueeze(-1) * q).reshape(rows, planes.cols)
+    sub = planes.sub.t().int()  # [rows, chunks]
+    supers = planes.supers.t().contiguous()
+    d = (supers & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(SUPER // BLOCK, dim=1)
+    if planes.qtype == T.Q6_K:
+        scale = torch.stack([(sub << 24) >> 24, sub >> 8], dim=-1)  # [rows, chunks, 2] signed
+        dl = (d.unsqueeze(-1) * scale.float()).unsqueeze(-1)  # [rows, chunks, 2, 1]
+        return (dl * codes.view(rows, chunks, 2, 16).float()).reshape(rows, planes.cols)
+    if planes.qtype == T.IQ4_XS:
+        dl = (d * sub.float()).unsqueeze(-1)
+        q = lookup_table("iq4nl_values", codes.device)[codes.long()]
+        return (dl * q).reshape(rows, planes.cols)
+    dmin = ((supers >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(
+        SUPER // BLOCK, dim=1)
+    dl = (d * (sub & 0xFF).float()).unsqueeze(-1)
+    ml = (dmin * ((sub >> 8) & 0xFF).float()).unsqueeze(-1)
+    return (dl * codes.float() - ml).reshape(rows, planes.cols)

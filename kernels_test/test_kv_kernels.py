@@ -200,6 +200,20 @@ def test_decode_split_over_the_context(fmt):
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
+@pytest.mark.parametrize("sms,heads,context", [(132, 8, 4096), (82, 8, 4096), (132, 1, 4096), (132, 64, 1024)])
+def test_decode_splits_fill_every_sm_twice(sms, heads, context):
+    """A decode step's programs (sequences x KV heads x splits) reach twice
+    the device's SMs where the context has the tiles for it, every split at
+    least a tile, and never fewer splits than the length alone asks for."""
+    from strata_kernels.launch import attention_settings
+
+    s = attention_settings(1, 4, context, 128, programs=heads, sms=sms)
+    by_length = attention_settings(1, 4, context, 128)
+    assert heads * s.splits >= 2 * sms or s.splits == -(-context // s.block_n)
+    assert s.splits >= by_length.splits and s.splits * s.block_n <= context + s.block_n
+    assert by_length.splits == context // 256  # the interpreter (no SM count): a split per 256 positions
+
+
 # Three sequences in one store of 16-slot blocks, their blocks scattered and
 # interleaved; the sliding case's tables are rings of 4 blocks (window 40 plus
 # a chunk of 16, rounded up), which its 150 positions wrap twice.

@@ -4,6 +4,8 @@ runs)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,7 @@ from .paging import BlockTables
 @triton.jit
 def _kv_tile(data, scales, levels, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr):
     """Float32 ``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N, 1]``."""
-    row = slots * HKV + kvh
+    row = (slots * HKV + kvh).to(tl.int64)
     if FMT == 0:
         return tl.load(data + row * D + d).to(tl.float32)
     if FMT == 2 and IS_V:
@@ -46,18 +48,20 @@ def _attention_kernel(
     # grid:     (cdiv(T * G, BLOCK_M), HKV, B * splits); rows r = t * G + g are (query token, head in
     #           group) pairs of one KV head; split s scans logical slots [s * slots_per_split,
     #           (s+1) * slots_per_split) of its sequence (none, past a shorter sequence's end)
-    pr = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64) // splits
-    sp = tl.program_id(2).to(tl.int64) % splits
-    start = tl.load(starts + seq).to(tl.int64)
-    capacity = tl.load(table_lengths + seq).to(tl.int64) * block_size
-    blocks = table + seq * table_stride
-    r = pr * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    # Positions, slots and rows are int32 (a context is < 2^31 positions); an element's offset is int64
+    # from its slot's row on (a store may hold more than 2^31 elements).
+    pr = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2) // splits
+    sp = tl.program_id(2) % splits
+    start = tl.load(starts + seq).to(tl.int32)
+    capacity = tl.load(table_lengths + seq) * block_size
+    blocks = table + seq.to(tl.int64) * table_stride
+    r = pr * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < T * G
     t = r // G
     head = kvh * G + r % G
-    d = tl.arange(0, D).to(tl.int64)
+    d = tl.arange(0, D)
     # Products on the tensor cores, 16-bit operands and float32 sums: bfloat16
     # where the queries are (the range of any activation), float16 otherwise
     # (3 more bits; the scale folded into q first keeps it in range).
@@ -65,23 +69,25 @@ def _attention_kernel(
         operand = tl.bfloat16
     else:
         operand = tl.float16
-    qs = tl.load(q + ((seq * T + t) * HKV * G + head)[:, None] * D + d[None, :], mask=row_ok[:, None],
+    qs = tl.load(q + ((seq * T + t) * HKV * G + head).to(tl.int64)[:, None] * D + d[None, :], mask=row_ok[:, None],
                  other=0.0).to(tl.float32)
     qs = (qs * scale).to(operand)
     q_pos = start + t
     end = start + T
     n_slots = tl.minimum(capacity, end)
+    # The newest position's slot: a slot past it holds a position one lap older (no division per slot)
+    newest = (end - 1) % capacity
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     lo = sp * slots_per_split
     hi = tl.minimum(lo + slots_per_split, n_slots)
     for n0 in range(lo, hi, BLOCK_N):
-        slots = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        slots = n0 + tl.arange(0, BLOCK_N)
         slot_ok = slots < hi
         safe = tl.where(slot_ok, slots, 0)
-        k_pos = (end - 1) - ((end - 1 - safe) % capacity)
-        physical = tl.load(blocks + safe // block_size).to(tl.int64) * block_size + safe % block_size
+        k_pos = (end - 1) - (newest - safe) - tl.where(safe > newest, capacity, 0)
+        physical = tl.load(blocks + safe // block_size) * block_size + safe % block_size
         keys = _kv_tile(k, k_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, False)
         s = tl.dot(qs, tl.trans(keys.to(operand)))
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
@@ -95,10 +101,16 @@ def _attention_kernel(
         values = _kv_tile(v, v_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, True)
         acc = acc * corr[:, None] + tl.dot(p.to(operand), values.to(operand))
         m_i = m_new
-    out_row = ((seq * splits + sp) * HKV + kvh) * T * G + r
+    out_row = (((seq * splits + sp) * HKV + kvh) * T * G + r).to(tl.int64)
     tl.store(part_acc + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml + out_row * 2, m_i, mask=row_ok)
     tl.store(part_ml + out_row * 2 + 1, l_i, mask=row_ok)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs (0 for the interpreter's CPU tensors: splits by length alone)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window: int | None, scale: float,
@@ -111,7 +123,7 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
     hkv = store.kv_heads
     g = h // hkv
     n_slots = max(min(tables.capacity(i), s + t) for i, s in enumerate(starts))
-    launch, splits = launch or attention_launch(t, g, n_slots, d, store.fmt)
+    launch, splits = launch or attention_launch(t, g, n_slots, d, store.fmt, b * hkv, _sm_count(q.device))
     c = launch.constexprs
     block_n = c["BLOCK_N"]
     per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n) * block_n

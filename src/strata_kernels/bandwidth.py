@@ -219,7 +219,9 @@ def rows() -> list[Row]:
     s = ATTENTION_SHAPE
     for fmt in ATTENTION_FORMATS:
         for d in ATTENTION_HEAD_DIMS:
-            config, splits = attention_config(fmt, d, 1, s["group"], s["context"], "bf16")
+            # the splits for the H200 (sm_86's 82 SMs take fewer; both compile the same kernel)
+            config, splits = attention_config(fmt, d, 1, s["group"], s["context"], "bf16",
+                                              s["batch"] * s["kv_heads"], PARTS["sm_90"].sms)
             out.append(Row("attention", f"{fmt} D={d} {s['context'] // 1024}K", (fmt, d), config,
                            attention_ctas(config.constexprs["BLOCK_M"], splits), None))
     return out

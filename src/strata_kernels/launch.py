@@ -99,14 +99,17 @@ class AttentionLaunch:
     num_warps: int
 
 
-def attention_settings(t: int, group: int, n_slots: int, head_dim: int) -> AttentionLaunch:
+def attention_settings(t: int, group: int, n_slots: int, head_dim: int, programs: int = 1,
+                       sms: int = 0) -> AttentionLaunch:
     """Decode (one query): rows are the heads of a group; the context is split
-    so that about 64 programs per KV head share it. Prefill: query tiles,
-    one pass over the context each."""
+    so that the launch's ``programs`` (sequences x KV heads) times its row
+    tiles times the splits make at least 2 programs per SM of a device with
+    ``sms`` SMs (0: unknown, as under the interpreter), and at least one split
+    per 256 positions (at most 64), each split a whole number of tiles.
+    Prefill: query tiles, one pass over the context each."""
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 512:
         raise ValueError(f"attention kernels need a power-of-two head dim in [16, 512], got {head_dim}")
     if t == 1:
-        splits = max(1, min(64, n_slots // 256))
         # Rows are the group's heads, all at once where the tile fits (each
         # program reads its KV once); a group past the cap (64 heads of 128,
         # 32 of 256, 16 of 512) takes several programs, each reading the KV.
@@ -115,7 +118,12 @@ def attention_settings(t: int, group: int, n_slots: int, head_dim: int) -> Atten
         # (bench/kernel_report.py: no spills at these settings).
         cap = 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16
         block_m = min(max(16, _pow2_at_least(group)), cap)
-        return AttentionLaunch(splits, block_m, 32 if head_dim <= 128 else 16,
-                               max(4, min(8, block_m * head_dim // 1024)))
+        block_n = 32 if head_dim <= 128 else 16
+        row_tiles = -(-group // block_m)
+        splits = max(1, min(64, n_slots // 256))
+        if sms:  # a 4K context of 8 KV heads is 8 programs a split: 33 splits fill an H200's 132 SMs twice
+            splits = max(splits, -(-2 * sms // (programs * row_tiles)))
+        splits = max(1, min(splits, -(-n_slots // block_n)))
+        return AttentionLaunch(splits, block_m, block_n, max(4, min(8, block_m * head_dim // 1024)))
     return AttentionLaunch(1, 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16,
                            64 if head_dim <= 64 else 32 if head_dim <= 256 else 16, 4 if head_dim <= 32 else 8)

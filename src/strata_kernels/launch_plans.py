@@ -132,9 +132,11 @@ def gemm_launch(qtype: int, m: int, n: int, k: int, activations: str) -> KernelL
                              DOT_PRECISION="ieee" if activations == "fp32" else "tf32"), s.num_warps)
 
 
-def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str):
-    """The attention kernel's constants and its split count (a run-time argument)."""
-    s = attention_settings(t, group, n_slots, head_dim)
+def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str, programs: int = 1, sms: int = 0):
+    """The attention kernel's constants and its split count (a run-time
+    argument: ``launch.attention_settings`` says how ``programs`` and ``sms``
+    set it)."""
+    s = attention_settings(t, group, n_slots, head_dim, programs, sms)
     return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=s.block_n),
                         s.num_warps), s.splits
 
@@ -209,16 +211,17 @@ def gemv_config(qtype: int, m: int, n: int, k: int, dtype: str, decode: bool = T
 
 
 def attention_config(fmt: str, head_dim: int, t: int, group: int, n_slots: int,
-                     dtype: str) -> tuple[KernelConfig, int]:
+                     dtype: str, programs: int = 1, sms: int = 0) -> tuple[KernelConfig, int]:
     """The attention kernel's configuration for ``t`` queries of ``group``
-    heads per KV head over ``n_slots`` positions, and its split count."""
+    heads per KV head over ``n_slots`` positions, and its split count
+    (``programs`` sequences x KV heads on ``sms`` SMs)."""
     k_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*i8"}[fmt]
     v_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*u8"}[fmt]
     scales = "*fp16"  # a float16 placeholder where the format has none
     pointers = {"q": f"*{dtype}", "k": k_type, "v": v_type, "k_scales": scales, "v_scales": scales,
                 "levels": "*fp32", "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
                 "part_acc": "*fp32", "part_ml": "*fp32"}
-    launch, splits = attention_launch(t, group, n_slots, head_dim, fmt)
+    launch, splits = attention_launch(t, group, n_slots, head_dim, fmt, programs, sms)
     label = f"{fmt} D={head_dim} {'decode' if t == 1 else 'prefill'} " + _label("", launch, dtype).strip()
     return _config("_triton_attention", "_attention_kernel", label, launch, pointers, decode=t == 1,
                    scalars={"scale": "fp32"}), splits

@@ -33,8 +33,9 @@ def _agreement(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, fl
     return float(kl.mean()), float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
 
 
-# gguf-py quantizes the small-block types only; the kernels tests cover every type on random blocks.
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1])
+# gguf-py quantizes the small-block types (the K-quants are random blocks); the kernels tests cover every
+# type. Q5_1 has no word layout: its layers read their GGUF blocks.
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1, Q.Q4_K, Q.Q6_K])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_family_matches_the_exact_cpu_path(tmp_path, arch, qtype):
     from strata_runtime.models.layers import Linear
@@ -46,8 +47,9 @@ def test_cuda_family_matches_the_exact_cpu_path(tmp_path, arch, qtype):
     for kv, (max_kl, min_top1) in {"f16": (0.01, 0.9), "int8": (0.01, 0.9), "k8v4": (0.05, 0.8)}.items():
         gpu = _load(path, device="cuda", kv=kv)
         linears = [m for m in gpu.model.modules() if isinstance(m, Linear)]
-        # Every projection reads its GGUF blocks (the float32 token table is dense).
-        assert sum(m.qweight is not None and m.weight is None for m in linears) >= 7 * SHAPE.layers
+        # Every projection reads its word planes or GGUF blocks (the float32 token table is dense).
+        kept = [m.planes if qtype != Q.Q5_1 else m.qweight for m in linears]
+        assert sum(k is not None and m.weight is None for k, m in zip(kept, linears)) >= 7 * SHAPE.layers
         logits = gpu.logits(ids).float().cpu()
         kl, top1 = _agreement(logits, reference)
         print(f"{arch} {qtype.name} {kv}: KL {kl:.4f}, top-1 {top1:.1%}")

@@ -11,9 +11,10 @@ from .dequant import SUPPORTED_TYPES, dequantize
 from .experts import ExpertGroups, expert_matmul, expert_matrix
 from .formats import BlockFormat, block_format
 from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecutive
-from .qmatmul import qmatmul
+from .qmatmul import planes_matmul, prepare_rows, qmatmul
 from .quant_tensor import QuantTensor
 from .reference import embedding_rows
+from .word_planes import WordPlanes, has_word_layout
 
 __all__ = [
     "KV_FORMATS",
@@ -33,4 +34,8 @@ __all__ = [
     "dequantize",
     "embedding_rows",
     "qmatmul",
+    "planes_matmul",
+    "prepare_rows",
+    "WordPlanes",
+    "has_word_layout",
 ]

@@ -22,11 +22,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from gguf import GGMLQuantizationType as T
 
 from .launch import split_k
 from .launch_plans import gemv_words_launch
-from .word_planes import BLOCK, WordPlanes
+from .word_planes import BLOCK, WordPlanes, pairing_of
 
 WORDS_PER_THREAD = 4  # 16 bytes: one load per thread
 
@@ -276,11 +275,6 @@ def _pairs(pairing: str) -> list[list[tuple[int, int]]]:
            [[(16 + 4 * i + o, 16 + 4 * i + o + 1) for i in range(4)] for o in (0, 2)]
 
 
-def pairing_of(planes: WordPlanes) -> str:
-    """How x's codes pair to meet ``planes``' words (``_pairs``)."""
-    return "iq4" if planes.qtype == T.IQ4_XS else str(planes.bits)
-
-
 @functools.cache
 def _pair_index(pairing: str, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``_pairs`` as index tensors on ``device``, made once (a call inside a
@@ -311,23 +305,41 @@ def prepare_activations(x: torch.Tensor, pairing: str, rows: int) -> tuple[torch
     return words, meta
 
 
+def prepare(x: torch.Tensor, planes: WordPlanes) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as ``gemv_words`` reads it for ``planes`` (and for every weight of
+    the same pairing: q/k/v or gate/up share one preparation)."""
+    return prepare_activations(x, pairing_of(planes), triton.next_power_of_2(x.shape[0]))
+
+
+def _block_c(chunks: int, block_c: int, superblocks: bool) -> int:
+    """The launch plan's chunk tile, or the largest power of two below it
+    that divides a row's chunks (K = 640 in Q4_0 is 20 chunks: tiles of 4);
+    a superblock type's rows are always whole tiles of 8."""
+    if superblocks:
+        if block_c % 8:
+            raise ValueError(f"a superblock type's tile is whole superblocks of 8 chunks, got {block_c}")
+        return block_c
+    while chunks % block_c:
+        block_c //= 2
+    return block_c
+
+
 def gemv_words(x: torch.Tensor, planes: WordPlanes, splits: int | None = None, use_asm: bool | None = None,
-               **tiles) -> torch.Tensor:
+               prepared: tuple[torch.Tensor, torch.Tensor] | None = None, **tiles) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[M, K]`` (M <= 8), in ``x``'s dtype; ``splits``
-    of K (default: enough for 4 programs per SM), ``tiles`` overriding the
-    launch plan's (``block_n``, ``block_c``, ``num_warps``)."""
+    of K (default: enough for 4 programs per SM), ``prepared`` x from
+    ``prepare`` (made here if None), ``tiles`` overriding the launch plan's
+    (``block_n``, ``block_c``, ``num_warps``)."""
     m, k = x.shape
     launch = gemv_words_launch(int(planes.qtype), m, **tiles)
-    block_n, block_c = launch.constexprs["BLOCK_N"], launch.constexprs["BLOCK_C"]
     if k != planes.cols:
         raise ValueError(f"x has {k} columns, the weight {planes.cols}")
-    block_m = triton.next_power_of_2(m)
-    xw, xmeta = prepare_activations(x, pairing_of(planes), block_m)
     chunks = planes.words_per_row // 4
-    if chunks % block_c:
-        raise ValueError(f"{chunks} chunks of 4 words a row are not whole tiles of {block_c}")
-    if planes.kind.superblocks and block_c % 8:
-        raise ValueError(f"a superblock type's tile is whole superblocks of 8 chunks, got {block_c}")
+    if tiles.get("block_c") and chunks % tiles["block_c"]:
+        raise ValueError(f"{chunks} chunks of 4 words a row are not whole tiles of {tiles['block_c']}")
+    block_n = launch.constexprs["BLOCK_N"]
+    block_c = _block_c(chunks, launch.constexprs["BLOCK_C"], planes.kind.superblocks)
+    xw, xmeta = prepared if prepared is not None else prepare(x, planes)
     n_tiles = triton.cdiv(planes.rows, block_n)
     if splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -337,7 +349,7 @@ def gemv_words(x: torch.Tensor, planes: WordPlanes, splits: int | None = None, u
     out = torch.empty((splits, m, planes.rows), dtype=torch.float32, device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
-    constexprs = {**launch.constexprs, "USE_ASM": use_asm}
+    constexprs = {**launch.constexprs, "BLOCK_C": block_c, "USE_ASM": use_asm}
     common = (m, planes.rows, planes.words_per_row, k // BLOCK, per_split)
     if planes.scales is not None:
         _gemv_words_kernel[(n_tiles, splits)](xw, xmeta, planes.quants, planes.scales, out, *common,

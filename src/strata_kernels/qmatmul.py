@@ -7,7 +7,9 @@ import torch
 
 from .backends import resolve_backend
 from .dequant import dequantize
+from .launch import GEMV_MAX_M
 from .quant_tensor import QuantTensor
+from .word_planes import WordPlanes, dequantize_planes
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -35,3 +37,29 @@ def qmatmul(x: torch.Tensor, qt: QuantTensor, backend: str = "auto") -> torch.Te
 
         return qmatmul_cpu(x, qt)
     return x @ dequantize(qt, x.dtype, backend="torch").T
+
+
+def prepare_rows(x: torch.Tensor, planes: WordPlanes):
+    """``x`` ``[M, K]`` prepared once for ``planes_matmul`` over every weight
+    whose words pair as ``planes``' do (q/k/v, gate/up), or None past a
+    decode step's rows (those take the dense path, which needs nothing)."""
+    if x.shape[0] > GEMV_MAX_M:
+        return None
+    from ._triton_gemv_words import prepare
+
+    return prepare(x, planes)
+
+
+def planes_matmul(x: torch.Tensor, planes: WordPlanes, prepared=None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[M, K]`` and a weight in its GPU word layout
+    (``word_planes``), in ``x``'s dtype: the word GEMV for a decode step's
+    rows (M <= 8; under the Triton interpreter on CPU tensors), else the
+    weight dequantized to ``x``'s dtype and a dense matmul (a prompt: the
+    tensor cores' speed). ``prepared``: ``prepare_rows(x, ...)``, if made."""
+    if x.dim() != 2 or x.shape[1] != planes.cols:
+        raise ValueError(f"x must be [M, {planes.cols}], got shape {tuple(x.shape)}")
+    if x.shape[0] <= GEMV_MAX_M:
+        from ._triton_gemv_words import gemv_words
+
+        return gemv_words(x, planes, prepared=prepared)
+    return x @ dequantize_planes(planes).to(x.dtype).T

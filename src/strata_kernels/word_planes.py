@@ -72,6 +72,17 @@ WORD_TYPES = {
 }
 
 
+def has_word_layout(qt: QuantTensor) -> bool:
+    """Whether ``qt`` can be laid out as ``WordPlanes`` (a 2-D weight of a type with a word layout)."""
+    return qt.qtype in WORD_TYPES and len(qt.shape) == 2
+
+
+def pairing_of(planes: "WordPlanes") -> str:
+    """How x's 16-bit codes pair to meet ``planes``' words (the GEMV's
+    ``_pairs``): by 8-bit codes, by nibbles, or by IQ4's value words."""
+    return "iq4" if planes.qtype == T.IQ4_XS else str(planes.bits)
+
+
 def bytes_per_weight(qtype: T) -> float:
     """Bytes of every plane per weight (what a GEMV streams)."""
     kind = WORD_TYPES[qtype]

@@ -3,6 +3,7 @@ load and handed to every layer placed there."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,10 @@ class Backend:
     (``ComputePath.prefill_matmuls``).
 
     Invariant: ``"cpu"`` only on the CPU, on a fast compute path, with the
-    kernels built; ``"triton"`` only on CUDA.
+    kernels built; ``"triton"`` on CUDA, or on the CPU where
+    ``STRATA_CPU_KERNELS=triton`` and the Triton interpreter are both set (the
+    GPU path's layers and kernels run on the host, slowly: how tests check
+    that path without a GPU).
     """
 
     device: torch.device
@@ -47,7 +51,7 @@ class Backend:
         device = torch.device(device)
         if device.type == "meta":
             kernels = "meta"
-        elif device.type == "cuda":
+        elif device.type == "cuda" or _triton_on_the_cpu():
             kernels = "triton"
         elif fast and cpu_kernels.available():
             kernels = "cpu"
@@ -78,3 +82,13 @@ class Backend:
         names = {"torch": "torch ops on dense weights", "cpu": "compiled CPU kernels on GGUF blocks",
                  "triton": "Triton kernels on GGUF blocks", "meta": "held by another process"}
         return f"{self.device} {str(self.activations).removeprefix('torch.')}: {names[self.kernels]}"
+
+
+def _triton_on_the_cpu() -> bool:
+    """The GPU path's code on the host (``Backend``'s invariant says when)."""
+    if os.environ.get("STRATA_CPU_KERNELS") != "triton":
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("STRATA_CPU_KERNELS=triton runs the GPU path under the Triton interpreter: set "
+                           "TRITON_INTERPRET=1 too (before triton is imported), or unset STRATA_CPU_KERNELS")
+    return True

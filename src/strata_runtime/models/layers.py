@@ -10,8 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata_kernels import QuantTensor, cpu_kernels, dequantize, embedding_rows, qmatmul
+from strata_kernels import (
+    QuantTensor,
+    WordPlanes,
+    cpu_kernels,
+    dequantize,
+    embedding_rows,
+    has_word_layout,
+    planes_matmul,
+    prepare_rows,
+    qmatmul,
+)
 from strata_kernels.launch import CPU_GEMV_MAX_M
+from strata_kernels.word_planes import pairing_of
 
 from ..files import Backend
 
@@ -19,10 +30,12 @@ from ..files import Backend
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` for a GGUF weight of logical shape ``[out, in]``.
 
-    Invariant: exactly one of ``qweight`` (the GGUF blocks, read by
-    ``qmatmul`` without a dense copy, where ``backend.keeps_blocks`` says) and
-    ``weight`` (the dequantization in the backend's activation dtype, exact
-    for float32) is set; ``bias`` is None or ``[out]`` in that dtype.
+    Invariant: exactly one of ``planes`` (the weight in its GPU word layout,
+    built once here on the Triton backend for the types that have one: the
+    blocks are not kept), ``qweight`` (the GGUF blocks, read by ``qmatmul``
+    without a dense copy, where ``backend.keeps_blocks`` says) and ``weight``
+    (the dequantization in the backend's activation dtype, exact for float32)
+    is set; ``bias`` is None or ``[out]`` in that dtype.
     """
 
     def __init__(self, weight: QuantTensor, backend: Backend, bias: QuantTensor | None = None):
@@ -30,8 +43,11 @@ class Linear(nn.Module):
         dtype = backend.activations
         self.bias = None if bias is None else nn.Parameter(dequantize(bias, dtype).reshape(-1), requires_grad=False)
         self.qweight: QuantTensor | None = None
+        self.planes: WordPlanes | None = None
         self.weight = None
-        if backend.keeps_blocks(weight):
+        if backend.kernels == "triton" and has_word_layout(weight):
+            self.planes = WordPlanes.of(weight)
+        elif backend.keeps_blocks(weight):
             self.qweight = weight
         else:
             self.weight = nn.Parameter(dequantize(weight, dtype), requires_grad=False)
@@ -50,16 +66,24 @@ class Linear(nn.Module):
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` by ``F.linear`` or ``qmatmul`` (without ``Projections``' GEMV call)."""
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0] if self.weight is not None else (self.planes or self.qweight).rows
+
+    def matmul(self, x: torch.Tensor, prepared=None) -> torch.Tensor:
+        """``forward`` by ``F.linear``, ``planes_matmul`` (``prepared``: x made
+        ready for it once, see ``Projections``) or ``qmatmul`` (without
+        ``Projections``' GEMV call)."""
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
-        if self.cpu_blocks:
+        if self.planes is not None:
+            y = planes_matmul(flat, self.planes, prepared)
+        elif self.cpu_blocks:
             y = cpu_kernels.qmatmul_cpu(flat, self.qweight, self.gemm_dtype)
         else:
             y = qmatmul(flat, self.qweight)
-        return self.add_bias(y.reshape(*x.shape[:-1], self.qweight.rows))
+        return self.add_bias(y.reshape(*x.shape[:-1], self.out_features))
 
 
 class Projections:
@@ -68,7 +92,9 @@ class Projections:
     When all hold CPU blocks and ``x`` is a decode step's few float32 or
     bfloat16 rows, one GEMV call computes them all: one pass over ``x``, one
     parallel region, and the kernel's arguments made here once (at decode
-    sizes, building them per call cost a tenth of the product).
+    sizes, building them per call cost a tenth of the product). Layers in GPU
+    word layouts share x's preparation (16-bit codes) where their words pair
+    alike.
 
     Invariant: ``blocks`` is None or the layers' blocks and GGML type ids in
     order, as ``cpu_kernels.gemv_blocks`` takes them."""
@@ -81,12 +107,28 @@ class Projections:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.numel() // x.shape[-1]
+        if any(layer.planes is not None for layer in self.layers):
+            return self._planes(x)
         if self.blocks is None or rows > CPU_GEMV_MAX_M or x.dtype not in (torch.float32, torch.bfloat16):
             return [layer.matmul(x) for layer in self.layers]
         outs = cpu_kernels.gemv_blocks(x.reshape(rows, x.shape[-1]), *self.blocks)
         if len(x.shape) != 2:
             outs = [y.reshape(*x.shape[:-1], y.shape[-1]) for y in outs]
         return [layer.add_bias(y) for layer, y in zip(self.layers, outs)]
+
+    def _planes(self, x: torch.Tensor) -> list[torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        prepared: dict[str, object] = {}  # x once per pairing of the words
+        outs = []
+        for layer in self.layers:
+            made = None
+            if layer.planes is not None:
+                key = pairing_of(layer.planes)
+                if key not in prepared:
+                    prepared[key] = prepare_rows(flat, layer.planes)
+                made = prepared[key]
+            outs.append(layer.matmul(x, made) if layer.planes is not None else layer.matmul(x))
+        return outs
 
 
 class TiedEmbedding(nn.Module):

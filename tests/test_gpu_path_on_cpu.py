@@ -1,0 +1,70 @@
+"""The GPU path's layers on this CPU-only machine: with ``STRATA_CPU_KERNELS=triton``
+and the Triton interpreter, a model's projections are built in their GPU word
+layout (``strata_kernels.word_planes``) and a decode step's matmuls run the
+word GEMV kernel (``_triton_gemv_words``, its plain-Triton form) exactly as
+CUDA would launch them; a prompt's take the dense path over the same planes.
+
+Tiny random-weight llama files of each type with a word layout that the test
+files can hold, against the exact float32 path on the same file: a prompt
+and six teacher-forced decode steps. A decode step's only difference from
+the exact path is x's 16-bit codes per 32 values, so the logits agree to
+within parts in 10^4 of their largest, with the same top token. (`tests/test_cuda_families.py` runs the same on a
+GPU with the compiled kernels.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from tiny_models import CORPUS, Shape, write_tiny_model
+
+import strata_runtime
+
+SHAPE = Shape(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=False)
+
+
+def _teacher_forced(engine, ids: list[int], next_ids: list[int]) -> list[torch.Tensor]:
+    """Logits after the prompt ``ids``, then after each of ``next_ids`` fed as a decode step."""
+    from strata_runtime.models.generation import decode_step, prefill
+
+    cache = engine.new_cache(len(ids) + len(next_ids) + 1)
+    with torch.inference_mode():
+        out = [prefill(engine.model, cache, ids).float()]
+        for token in next_ids:
+            out.append(decode_step(engine.model, cache, token).float())
+    return out
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_the_gpu_word_path_matches_the_exact_path(tmp_path, monkeypatch, qtype):
+    from strata_runtime.models.layers import Linear
+
+    path = write_tiny_model(tmp_path / "llama.gguf", "llama", SHAPE, 5, qtype)
+    options = dict(progress=False, context_length=128, conversation_cache_mib=0, dtype="float32")
+    exact = strata_runtime.load(path, **options)
+    ids = exact.tokenize(CORPUS[0])[:24]
+    steps = [int(t) for t in exact.tokenize(CORPUS[1])[:6]]
+    expected = _teacher_forced(exact, ids, steps)
+
+    monkeypatch.setenv("STRATA_CPU_KERNELS", "triton")
+    gpu_path = strata_runtime.load(path, **options)
+    linears = [m for m in gpu_path.model.modules() if isinstance(m, Linear)]
+    assert sum(m.planes is not None for m in linears) == 7 * SHAPE.layers + 1  # q k v o gate up down, the head
+    assert all(m.qweight is None for m in linears if m.planes is not None)  # the blocks are not kept
+    got = _teacher_forced(gpu_path, ids, steps)
+
+    # The prompt's projections take the planes dequantized (exact); the head, on the last row only, the GEMV.
+    for step, (g, e) in enumerate(zip(got, expected)):
+        kl = torch.nn.functional.kl_div(g.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum")
+        assert g.argmax() == e.argmax() and kl < 1e-4, (step, float(kl))
+        assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
+
+
+def test_the_gpu_path_on_the_cpu_needs_the_interpreter(monkeypatch):
+    from strata_runtime.files import Backend
+
+    monkeypatch.setenv("STRATA_CPU_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 too"):
+        Backend.choose("cpu", torch.float32)

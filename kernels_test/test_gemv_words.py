@@ -117,3 +117,34 @@ def test_compiled_gemv_equals_its_plain_form_and_the_products_at_real_size(qtype
     assert torch.equal(with_dp2a, gemv_words(x, planes, use_asm=False))  # the same integers, summed alike
     ref = x.double() @ dequantize_planes(planes).double().T
     assert ((with_dp2a.double() - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_planes_dequantize_on_the_triton_path_bit_for_bit(qtype):
+    """A prompt's matmuls read the weight dequantized by a Triton kernel into
+    a dense matrix: equal to the torch reference (and so to the blocks) in
+    float32 and float16; bfloat16 within its rounding (the interpreter
+    truncates where a GPU rounds to nearest). 37 rows and 20 or 6 blocks of
+    32: partial tiles both ways."""
+    from strata_kernels._triton_planes_dequant import dequantize_planes_into
+
+    planes = WordPlanes.of(random_quant_tensor(qtype, 37, _blocks_for(qtype, 640 if qtype in (T.Q8_0, T.Q4_0)
+                                                                       else 768), seed=int(qtype)))
+    exact = dequantize_planes(planes)
+    for dtype in (torch.float32, torch.float16):
+        out = dequantize_planes_into(planes, torch.full(exact.shape, float("nan"), dtype=dtype))
+        assert torch.equal(out, exact.to(dtype)), dtype
+    out = dequantize_planes_into(planes, torch.empty(exact.shape, dtype=torch.bfloat16)).float()
+    assert ((out - exact).abs() <= exact.abs() * 2 ** -7).all()
+
+
+def test_a_prompt_takes_the_dense_path_over_the_planes_in_a_reused_scratch():
+    from strata_kernels import planes_matmul
+    from strata_kernels.qmatmul import _SCRATCH
+
+    small = WordPlanes.of(random_quant_tensor(T.Q4_K, 16, 1, seed=3))
+    large = WordPlanes.of(random_quant_tensor(T.Q6_K, 40, 2, seed=4))
+    for planes in (large, small):
+        x = torch.randn(12, planes.cols, generator=torch.Generator().manual_seed(planes.rows))
+        assert torch.allclose(planes_matmul(x, planes), x @ dequantize_planes(planes).T, atol=1e-5, rtol=1e-5)
+    assert _SCRATCH[(torch.device("cpu"), torch.float32)].numel() == 40 * 512  # the larger weight's, kept

@@ -124,6 +124,25 @@ def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
     return dataclasses.replace(config, divisible=("WPR",))
 
 
+# The planes' dequantization (_triton_planes_dequant): its KIND per type, rows and blocks of 32 per program.
+PLANES_KINDS = {T.Q8_0: 0, T.Q4_0: 1, **WORD_KINDS}
+
+
+def planes_dequant_launch(qtype: int) -> KernelLaunch:
+    return KernelLaunch({"KIND": PLANES_KINDS[T(qtype)], "BLOCK_N": 16, "BLOCK_B": 8}, 4)
+
+
+def planes_dequant_config(qtype: int, dtype: str) -> KernelConfig:
+    """Dequantizing a weight's planes into a ``dtype`` matrix (a prompt's matmul)."""
+    launch = planes_dequant_launch(qtype)
+    superblocks = T(qtype) in WORD_KINDS
+    pointers = {"quants": "*i8" if T(qtype) == T.Q8_0 else "*u8", "scales": "*i32" if superblocks else "*fp16",
+                "high_words": "*i32", "sub": "*i16" if superblocks else "*i32", "supers": "*i32",
+                "levels": "*fp32", "out": f"*{dtype}"}
+    return _config("_triton_planes_dequant", "_dequantize_planes_kernel", _label(f"{T(qtype).name} planes", launch,
+                   dtype), launch, pointers)
+
+
 def gemm_launch(qtype: int, m: int, n: int, k: int, activations: str) -> KernelLaunch:
     """``activations``: the Triton dtype name of x. Float32 inputs keep full
     precision (no TF32); half types use the tensor cores as they are."""
@@ -297,17 +316,18 @@ def _recurrent_configs() -> list[KernelConfig]:
     return out
 
 
-def _word_gemv_configs() -> list[KernelConfig]:
+def _word_configs(dtypes) -> list[KernelConfig]:
     from .word_planes import WORD_TYPES
 
-    return [gemv_words_config(int(qtype), m) for qtype in WORD_TYPES for m in range(1, GEMV_MAX_M + 1)]
+    return ([gemv_words_config(int(qtype), m) for qtype in WORD_TYPES for m in range(1, GEMV_MAX_M + 1)]
+            + [planes_dequant_config(int(qtype), dtype) for qtype in WORD_TYPES for dtype in dtypes])
 
 
 def configurations(dtypes=ACTIVATION_DTYPES) -> list[KernelConfig]:
     """Every distinct configuration of every Triton kernel its launcher can
     choose for activations in ``dtypes``, each once, in a stable order."""
     seen, out = set(), []
-    for config in (_weight_configs(dtypes) + _word_gemv_configs() + _attention_configs(dtypes)
+    for config in (_weight_configs(dtypes) + _word_configs(dtypes) + _attention_configs(dtypes)
                    + _kv_quantize_configs(dtypes) + _recurrent_configs()):
         if config.key not in seen:
             seen.add(config.key)

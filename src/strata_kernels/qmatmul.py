@@ -1,7 +1,11 @@
 """``qmatmul``: activations times a GGUF-quantized weight, never materialising
-the dense weight on the Triton path."""
+the dense weight on the Triton path; ``planes_matmul``: times a weight in its
+GPU word layout (a decode step's GEMV on the words; a prompt's dense matmul
+over the weight dequantized into a reused scratch)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -62,4 +66,24 @@ def planes_matmul(x: torch.Tensor, planes: WordPlanes, prepared=None) -> torch.T
         from ._triton_gemv_words import gemv_words
 
         return gemv_words(x, planes, prepared=prepared)
+    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from ._triton_planes_dequant import dequantize_planes_into
+
+        return x @ dequantize_planes_into(planes, _scratch(x, planes.rows, planes.cols)).T
     return x @ dequantize_planes(planes).to(x.dtype).T
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` matrix of ``x``'s dtype on its device, in one buffer
+    per device and dtype kept for the next prompt (grown to the largest
+    weight seen): the dequantized weight lives only until its matmul, which
+    the stream runs before the next layer's dequantization writes here."""
+    key = (x.device, x.dtype)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < rows * cols:
+        _SCRATCH.pop(key, None)  # the smaller one goes before the larger is made
+        buffer = _SCRATCH[key] = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
+    return buffer[:rows * cols].view(rows, cols)

@@ -106,14 +106,12 @@ EXPECTED_FAILURES = {
     ("gemv-words", "IQ4_XS 14336x4096 M=1", "sm_90"): "R2",
     ("gemv-words", "IQ4_XS 14336x4096 M=8", "sm_86"): "R2",
     ("gemv-words", "IQ4_XS 14336x4096 M=8", "sm_90"): "R2",
-    ("attention", "int8 D=128 4K", "sm_86"): "R2",
     ("attention", "int8 D=128 4K", "sm_90"): "R2",
-    ("attention", "int8 D=256 4K", "sm_86"): "R2",
     ("attention", "int8 D=256 4K", "sm_90"): "R2",
-    ("attention", "k8v4 D=128 4K", "sm_86"): "R1",
-    ("attention", "k8v4 D=128 4K", "sm_90"): "R1 R2",
-    ("attention", "k8v4 D=256 4K", "sm_86"): "R1",
-    ("attention", "k8v4 D=256 4K", "sm_90"): "R1 R2",
+    ("attention", "k8v4 D=128 4K", "sm_86"): "R2",
+    ("attention", "k8v4 D=128 4K", "sm_90"): "R2",
+    ("attention", "k8v4 D=256 4K", "sm_86"): "R2",
+    ("attention", "k8v4 D=256 4K", "sm_90"): "R2",
 }
 
 _SASS = """

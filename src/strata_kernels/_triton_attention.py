@@ -10,31 +10,103 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import lookup_table
 from .kv_quant import KVStore
 from .launch_plans import KernelLaunch, attention_launch
 from .paging import BlockTables
 
 
 @triton.jit
-def _kv_tile(data, scales, levels, slots, kvh, HKV, d, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr):
-    """Float32 ``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N, 1]``."""
+def _iq4_levels(byte, USE_ASM: tl.constexpr):
+    """IQ4_NL's levels (signed bytes) of the low and of the high nibbles of
+    ``byte`` (uint8): the codebook by ``prmt`` with the table in the
+    instruction, 4 bytes a register (``pack``), or in plain Triton by
+    arithmetic on the same table's bytes."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 index, bank, a, b, first, second;
+            and.b32 index, $2, 0x77777777;
+            shr.u32 bank, $2, 1;
+            and.b32 bank, bank, 0x44444444;
+            or.b32 bank, bank, 0x32103210;
+            prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, index;
+            prmt.b32 b, 0x26190D01, 0x71594535, index;
+            prmt.b32 first, a, b, bank;
+            shr.u32 index, index, 16;
+            shr.u32 bank, bank, 16;
+            prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, index;
+            prmt.b32 b, 0x26190D01, 0x71594535, index;
+            prmt.b32 second, a, b, bank;
+            prmt.b32 $0, first, second, 0x6420;
+            prmt.b32 $1, first, second, 0x7531;
+            }""",
+            "=r,=r,r", [byte], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    code = byte.to(tl.int32)
+    return _iq4_level(code & 15), _iq4_level(code >> 4)
+
+
+@triton.jit
+def _iq4_level(code):
+    """IQ4_NL's level of a 4-bit code (plain Triton: the 16 bytes of the
+    table as four words, the code's byte shifted out)."""
+    word = tl.where(code < 4, -1079142271, tl.where(code < 8, -152379953,
+                                                    tl.where(code < 12, 639175937, 1901675829)))
+    return ((word << (24 - 8 * (code % 4))) >> 24).to(tl.int8)
+
+
+@triton.jit
+def _int8_to_f16(codes, USE_ASM: tl.constexpr):
+    """Signed bytes as float16, exactly: 4 a register by the 1024-offset
+    trick (a byte's offset value as a float16 mantissa, less 1152), or a
+    plain conversion."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 u, lo, hi, bias;
+            xor.b32 u, $2, 0x80808080;
+            prmt.b32 lo, u, 0x64646464, 0x5140;
+            prmt.b32 hi, u, 0x64646464, 0x7362;
+            mov.b32 bias, 0x64806480;
+            sub.f16x2 $0, lo, bias;
+            sub.f16x2 $1, hi, bias;
+            }""",
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    return codes.to(tl.float16)
+
+
+@triton.jit
+def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr,
+             BLOCK_N: tl.constexpr, operand: tl.constexpr, USE_ASM: tl.constexpr):
+    """``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N]``, in the
+    products' ``operand`` dtype. Quantized formats are read as whole rows of
+    codes (16 bytes a load), converted to float16 4 a register, and scaled
+    in a tile ``[BLOCK_N, groups, group]`` that meets each group's scale."""
     row = (slots * HKV + kvh).to(tl.int64)
     if FMT == 0:
-        return tl.load(data + row * D + d).to(tl.float32)
-    if FMT == 2 and IS_V:
-        byte = tl.load(data + row * (D // 2) + d // 2).to(tl.int32)
-        level = tl.load(levels + ((byte >> ((d % 2) * 4)) & 15))
-        return level * tl.load(scales + row * (D // 32) + d // 32).to(tl.float32)
-    q = tl.load(data + row * D + d).to(tl.float32)
-    return q * tl.load(scales + row * (D // 64) + d // 64).to(tl.float32)
+        d = tl.arange(0, D)
+        return tl.load(data + row[:, None] * D + d[None, :]).to(operand)
+    if FMT == 2 and IS_V:  # k8v4 values: two 4-bit codes a byte (value 2i low, 2i + 1 high), a scale per 32
+        BLOCKS: tl.constexpr = D // 32
+        b = tl.arange(0, BLOCKS)
+        i = tl.arange(0, 16)
+        byte = tl.load(data + row[:, None, None] * (D // 2) + b[None, :, None] * 16 + i[None, None, :])
+        low, high = _iq4_levels(byte, USE_ASM)
+        levels = _int8_to_f16(tl.join(low, high), USE_ASM)  # [N, BLOCKS, 16, 2]: value 32 b + 2 i + h
+        scale = tl.load(scales + row[:, None] * BLOCKS + b[None, :])
+        return (levels * scale[:, :, None, None]).reshape(BLOCK_N, D).to(operand)
+    G: tl.constexpr = D // 64  # int8 keys (and values): a scale per 64
+    g = tl.arange(0, G)
+    j = tl.arange(0, 64)
+    codes = tl.load(data + row[:, None, None] * D + g[None, :, None] * 64 + j[None, None, :])
+    scale = tl.load(scales + row[:, None] * G + g[None, :])
+    return (_int8_to_f16(codes, USE_ASM) * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
 
 
 @triton.jit
 def _attention_kernel(
-    q, k, v, k_scales, v_scales, levels, table, table_lengths, starts, part_acc, part_ml,
+    q, k, v, k_scales, v_scales, table, table_lengths, starts, part_acc, part_ml,
     T, HKV, G, table_stride, block_size, splits, slots_per_split, window, scale,
-    D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     # q:        [B, T, HKV * G, D] float queries; sequence b's at positions starts[b]..starts[b]+T-1
     # k, v:     cache of one layer, [slots, HKV, D] (f16/int8) or [slots, HKV, D // 2] (k8v4 values)
@@ -42,7 +114,6 @@ def _attention_kernel(
     #           position p lives in its ring's logical slot p % capacity (capacity = table_lengths[b]
     #           * block_size), which is store slot table[b, ls // block_size] * block_size
     #           + ls % block_size; n_slots = min(capacity, start + T) logical slots are filled
-    # levels:   [16] float32 IQ4_NL levels the k8v4 value codes index
     # part_acc: [B, splits, HKV, T * G, D] float32 unnormalised outputs of each split
     # part_ml:  [B, splits, HKV, T * G, 2] float32 running max and sum of each split
     # grid:     (cdiv(T * G, BLOCK_M), HKV, B * splits); rows r = t * G + g are (query token, head in
@@ -62,10 +133,13 @@ def _attention_kernel(
     t = r // G
     head = kvh * G + r % G
     d = tl.arange(0, D)
-    # Products on the tensor cores, 16-bit operands and float32 sums: bfloat16
-    # where the queries are (the range of any activation), float16 otherwise
-    # (3 more bits; the scale folded into q first keeps it in range).
-    if q.dtype.element_ty == tl.bfloat16:
+    # Products on the tensor cores, 16-bit operands and float32 sums, in the
+    # cache's own type: a float16 (or bfloat16) cache is read as stored, with
+    # no conversion per element; quantized ones dequantize to float16 (3 more
+    # bits than bfloat16). The queries follow, their scale folded in first
+    # (q / sqrt(D) stays well inside float16's range). (The interpreter's
+    # bfloat16 dot is wrong: there a bfloat16 cache converts to float16.)
+    if k.dtype.element_ty == tl.bfloat16 and USE_ASM:
         operand = tl.bfloat16
     else:
         operand = tl.float16
@@ -88,8 +162,8 @@ def _attention_kernel(
         safe = tl.where(slot_ok, slots, 0)
         k_pos = (end - 1) - (newest - safe) - tl.where(safe > newest, capacity, 0)
         physical = tl.load(blocks + safe // block_size) * block_size + safe % block_size
-        keys = _kv_tile(k, k_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, False)
-        s = tl.dot(qs, tl.trans(keys.to(operand)))
+        keys = _kv_tile(k, k_scales, physical, kvh, HKV, D, FMT, False, BLOCK_N, operand, USE_ASM)
+        s = tl.dot(qs, tl.trans(keys))
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
         allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
         s = tl.where(allowed, s, float("-inf"))
@@ -98,8 +172,8 @@ def _attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         corr = tl.exp(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
         l_i = l_i * corr + tl.sum(p, axis=1)
-        values = _kv_tile(v, v_scales, levels, physical[:, None], kvh, HKV, d[None, :], D, FMT, True)
-        acc = acc * corr[:, None] + tl.dot(p.to(operand), values.to(operand))
+        values = _kv_tile(v, v_scales, physical, kvh, HKV, D, FMT, True, BLOCK_N, operand, USE_ASM)
+        acc = acc * corr[:, None] + tl.dot(p.to(operand), values)
         m_i = m_new
     out_row = (((seq * splits + sp) * HKV + kvh) * T * G + r).to(tl.int64)
     tl.store(part_acc + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
@@ -136,10 +210,10 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
         q.contiguous(), store.k, store.v,
         store.k_scales if store.k_scales is not None else dummy,
         store.v_scales if store.v_scales is not None else dummy,
-        lookup_table("iq4nl_values", q.device), table, tables.lengths.to(q.device),
+        table, tables.lengths.to(q.device),
         torch.tensor(starts, dtype=torch.int64, device=q.device), part_acc, part_ml,
         t, hkv, g, table.shape[1], tables.block_size, splits, per_split, window or 0, scale,
-        **c, num_warps=launch.num_warps,
+        **{**c, "USE_ASM": q.is_cuda}, num_warps=launch.num_warps,
     )
     # Log-sum-exp merge of the splits (a split past a sequence's end holds m = -inf, l = 0: weight 0).
     m, l = part_ml[..., 0:1], part_ml[..., 1:2]

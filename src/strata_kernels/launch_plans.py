@@ -156,8 +156,8 @@ def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str, 
     argument: ``launch.attention_settings`` says how ``programs`` and ``sms``
     set it)."""
     s = attention_settings(t, group, n_slots, head_dim, programs, sms)
-    return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=s.block_n),
-                        s.num_warps), s.splits
+    return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                             USE_ASM=True), s.num_warps), s.splits
 
 
 def kv_quantize_launch(head_dim: int, group: int, bits: int, n_candidates: int) -> KernelLaunch:
@@ -238,7 +238,7 @@ def attention_config(fmt: str, head_dim: int, t: int, group: int, n_slots: int,
     v_type = {"f16": "*fp16", "int8": "*i8", "k8v4": "*u8"}[fmt]
     scales = "*fp16"  # a float16 placeholder where the format has none
     pointers = {"q": f"*{dtype}", "k": k_type, "v": v_type, "k_scales": scales, "v_scales": scales,
-                "levels": "*fp32", "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
+                "table": "*i32", "table_lengths": "*i32", "starts": "*i64",
                 "part_acc": "*fp32", "part_ml": "*fp32"}
     launch, splits = attention_launch(t, group, n_slots, head_dim, fmt, programs, sms)
     label = f"{fmt} D={head_dim} {'decode' if t == 1 else 'prefill'} " + _label("", launch, dtype).strip()

@@ -68,3 +68,30 @@ def test_the_gpu_path_on_the_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 too"):
         Backend.choose("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_a_token_table_in_word_planes_embeds_and_scores(qtype):
+    """A quantized token table on the GPU path is held as word planes alone:
+    a lookup dequantizes just the rows asked for, equal to the blocks'; a
+    decode step's scores come from the word GEMV, in float32."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels_test"))
+    from helpers import random_quant_tensor
+
+    from strata_kernels import embedding_rows
+    from strata_runtime.files import Backend
+    from strata_runtime.models.layers import TiedEmbedding
+
+    table = random_quant_tensor(qtype, 300, 1 if qtype == Q.Q6_K else 8, seed=9)
+    embedding = TiedEmbedding(table, Backend(torch.device("cpu"), torch.bfloat16, "triton"))
+    assert embedding.out.planes is not None and embedding.out.qweight is None and embedding.device.type == "cpu"
+    tokens = torch.tensor([[5, 299, 0], [17, 17, 150]])
+    assert torch.equal(embedding(tokens), embedding_rows(table, tokens, torch.bfloat16))
+    x = torch.randn(1, table.cols).to(torch.bfloat16)
+    scores = embedding.logits(x)
+    exact = x.double() @ embedding_rows(table, torch.arange(300)).double().T
+    assert scores.dtype == torch.float32 and scores.argmax() == exact.argmax()
+    assert ((scores.double() - exact).abs().max() / exact.abs().max()) < 1e-3

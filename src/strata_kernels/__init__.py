@@ -14,7 +14,7 @@ from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecuti
 from .qmatmul import planes_matmul, prepare_rows, qmatmul
 from .quant_tensor import QuantTensor
 from .reference import embedding_rows
-from .word_planes import WordPlanes, has_word_layout
+from .word_planes import WordPlanes, has_word_layout, planes_rows
 
 __all__ = [
     "KV_FORMATS",
@@ -38,4 +38,5 @@ __all__ = [
     "prepare_rows",
     "WordPlanes",
     "has_word_layout",
+    "planes_rows",
 ]

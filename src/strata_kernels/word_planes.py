@@ -229,3 +229,13 @@ def dequantize_planes(planes: WordPlanes) -> torch.Tensor:
     dl = (d * (sub & 0xFF).float()).unsqueeze(-1)
     ml = (dmin * ((sub >> 8) & 0xFF).float()).unsqueeze(-1)
     return (dl * codes.float() - ml).reshape(rows, planes.cols)
+
+
+def planes_rows(planes: WordPlanes, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``index`` of the weight, dequantized to ``dtype`` ``[len(index),
+    cols]`` (a token table's lookup: only those rows are read)."""
+    index = index.reshape(-1).to(planes.device)
+    rows = WordPlanes(planes.qtype, int(index.numel()), planes.cols, planes.quants.index_select(0, index).contiguous(),
+                      *(None if p is None else p.index_select(d, index).contiguous()
+                        for p, d in ((planes.scales, 1), (planes.high, 0), (planes.sub, 1), (planes.supers, 1))))
+    return dequantize_planes(rows).to(dtype)

@@ -18,6 +18,7 @@ from strata_kernels import (
     embedding_rows,
     has_word_layout,
     planes_matmul,
+    planes_rows,
     prepare_rows,
     qmatmul,
 )
@@ -134,8 +135,8 @@ class Projections:
 class TiedEmbedding(nn.Module):
     """The token table, used both to embed tokens and, transposed, to score
     them. Same storage rule as ``Linear``: GGUF blocks where ``Linear`` keeps
-    them (rows are dequantized as they are looked up), the dense table
-    otherwise."""
+    them, or its GPU word planes (rows are dequantized as they are looked
+    up), the dense table otherwise."""
 
     def __init__(self, weight: QuantTensor, backend: Backend):
         super().__init__()
@@ -144,18 +145,21 @@ class TiedEmbedding(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return (self.out.weight if self.out.weight is not None else self.out.qweight).device
+        held = self.out.weight if self.out.weight is not None else self.out.planes or self.out.qweight
+        return held.device
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.out.weight is not None:
             return self.out.weight[tokens]
+        if self.out.planes is not None:
+            return planes_rows(self.out.planes, tokens, self.dtype).reshape(*tokens.shape, -1)
         return embedding_rows(self.out.qweight, tokens, self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 scores. A decode step's few rows go in as float32 too (the
         CPU GEMV accumulates in float32 either way), so the logits are not
         rounded to bfloat16 (a step of 0.125 at 20) before sampling."""
-        if self.out.qweight is not None and x.shape[0] <= CPU_GEMV_MAX_M:
+        if (self.out.qweight is not None or self.out.planes is not None) and x.shape[0] <= CPU_GEMV_MAX_M:
             return self.out(x.float())
         return self.out(x).float()
 

@@ -148,3 +148,26 @@ def test_a_prompt_takes_the_dense_path_over_the_planes_in_a_reused_scratch():
         x = torch.randn(12, planes.cols, generator=torch.Generator().manual_seed(planes.rows))
         assert torch.allclose(planes_matmul(x, planes), x @ dequantize_planes(planes).T, atol=1e-5, rtol=1e-5)
     assert _SCRATCH[(torch.device("cpu"), torch.float32)].numel() == 40 * 512  # the larger weight's, kept
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_grouped_gemv_multiplies_each_run_by_its_own_expert(qtype):
+    """One launch for a mixture's decode step: runs of routed rows (1 to 8
+    rows each, any experts, in any order of experts) each times their own
+    expert's matrix; a row in no run stays zero."""
+    from strata_kernels._triton_gemv_words import gemv_words_grouped
+
+    experts, n = 5, 24  # 24 rows an expert: a partial row tile
+    qt = random_quant_tensor(qtype, experts * n, _blocks_for(qtype, 512), seed=int(qtype))
+    planes = WordPlanes.of(qt)
+    weights = dequantize_planes(planes).double().view(experts, n, -1)
+    runs = [(4, 0, 3), (0, 3, 1), (2, 4, 8), (4, 13, 2)]  # rows 12 is in no run
+    x = torch.randn(15, qt.cols, generator=torch.Generator().manual_seed(1))
+    out = gemv_words_grouped(x, planes, experts, runs, block_c=8)
+    assert out.shape == (15, n)
+    for e, start, count in runs:
+        ref = x[start:start + count].double() @ weights[e].T
+        assert ((out[start:start + count].double() - ref).abs().max() / ref.abs().max()) < 1e-4, (e, start)
+    assert not out[12].any()
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        gemv_words_grouped(x, planes, experts, [(0, 0, 9)])

@@ -61,6 +61,35 @@ def test_the_gpu_word_path_matches_the_exact_path(tmp_path, monkeypatch, qtype):
         assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
 
 
+MOE_CASES = [(Shape(experts=4, experts_per_token=2, expert_ffn=32), Q.Q8_0),
+             (Shape(hidden=256, heads=4, kv_heads=1, head_dim=64, experts=6, experts_per_token=2, expert_ffn=256),
+              Q.Q4_K)]
+
+
+@pytest.mark.parametrize("shape,qtype", MOE_CASES, ids=["Q8_0", "Q4_K"])
+def test_a_mixture_of_experts_on_the_gpu_word_path_matches_the_exact_path(tmp_path, monkeypatch, shape, qtype):
+    """Qwen3-MoE's expert tensors in word planes (the blocks dropped): a
+    prompt's experts take their rows of the planes dequantized, a decode
+    step's routed rows one grouped GEMV launch per tensor."""
+    from strata_runtime.models.moe import MoEFeedForward
+
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, 3, qtype)
+    options = dict(progress=False, context_length=128, conversation_cache_mib=0, dtype="float32")
+    exact = strata_runtime.load(path, **options)
+    ids = exact.tokenize(CORPUS[0])[:24]
+    steps = [int(t) for t in exact.tokenize(CORPUS[1])[:4]]
+    expected = _teacher_forced(exact, ids, steps)
+    monkeypatch.setenv("STRATA_CPU_KERNELS", "triton")
+    gpu_path = strata_runtime.load(path, **options)
+    moes = [m for m in gpu_path.model.modules() if isinstance(m, MoEFeedForward)]
+    assert len(moes) == shape.layers and all(set(m.planes) == {"gate", "up", "down"} and m.up_exps is None
+                                             for m in moes)
+    for step, (g, e) in enumerate(zip(_teacher_forced(gpu_path, ids, steps), expected)):
+        kl = torch.nn.functional.kl_div(g.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum")
+        assert g.argmax() == e.argmax() and kl < 1e-4, (step, float(kl))
+        assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
+
+
 def test_the_gpu_path_on_the_cpu_needs_the_interpreter(monkeypatch):
     from strata_runtime.files import Backend
 

@@ -8,7 +8,7 @@ not installed).
 
 from .attention import attention, write_and_attend
 from .dequant import SUPPORTED_TYPES, dequantize
-from .experts import ExpertGroups, expert_matmul, expert_matrix
+from .experts import ExpertGroups, expert_matmul, expert_matrix, expert_planes, expert_planes_matmul
 from .formats import BlockFormat, block_format
 from .kv_quant import KV_FORMATS, KVStore, kv_read, kv_write, kv_write_consecutive
 from .qmatmul import planes_matmul, prepare_rows, qmatmul
@@ -28,6 +28,8 @@ __all__ = [
     "ExpertGroups",
     "expert_matmul",
     "expert_matrix",
+    "expert_planes",
+    "expert_planes_matmul",
     "QuantTensor",
     "SUPPORTED_TYPES",
     "block_format",

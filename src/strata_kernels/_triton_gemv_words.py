@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import split_k
+from .launch import GEMV_MAX_M, split_k
 from .launch_plans import gemv_words_launch
 from .word_planes import BLOCK, WordPlanes, pairing_of
 
@@ -64,8 +64,24 @@ def _dp2a_first(a, b, HI: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _group(groups, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's rows of its group's expert ``n`` (in range: ``n_in``;
+    clamped: ``n_safe``), the expert's first plane row ``row0``, and its rows
+    of x: ``first + m``, of which ``m_in`` are the group's (x holds BLOCK_M
+    rows past the last group's, zeros: loads need no mask)."""
+    g = tl.program_id(2)
+    row0 = tl.load(groups + 3 * g) * N
+    first = tl.load(groups + 3 * g + 1)
+    count = tl.load(groups + 3 * g + 2)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = n < N
+    m = tl.arange(0, BLOCK_M)
+    return n, n_in, tl.where(n_in, n, 0), row0, first, m, m < count
+
+
+@triton.jit
 def _gemv_words_kernel(
-    xw, xmeta, quants, scales, out, M, N, WPR, KB, chunks_per_split,
+    xw, xmeta, quants, scales, out, groups, M, N, STRIDE, WPR, KB, chunks_per_split,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
@@ -74,18 +90,16 @@ def _gemv_words_kernel(
     # xmeta:   float32 [BLOCK_M, KB, 2]: x's scale per 32 values and its codes' sum; rows past M are zeros
     # quants:  int32 [N, WPR] code words; scales: float16 [KB, N] (block-column-major)
     # out:     float32 [splits, M, N]: each split's partial sums
-    # grid:    (cdiv(N, BLOCK_N), splits); program (pn, ps) reads rows pn*BLOCK_N.. over chunks
-    #          ps*chunks_per_split.. (a chunk: 4 words of a row, 16 bytes)
+    # groups:  int32 [G, 3]: (expert, first row of x, rows of x) of each group; a weight of E experts is
+    #          E x N rows (STRIDE in all), expert e's rows e*N..; one group (0, 0, M) for a plain weight
+    # grid:    (cdiv(N, BLOCK_N), splits, G); program (pn, ps, g) reads rows pn*BLOCK_N.. of group g's expert
+    #          over chunks ps*chunks_per_split.. (a chunk: 4 words of a row, 16 bytes)
     # Offsets are int32 and computed once; an iteration adds its start to them.
-    pn = tl.program_id(0)
     ps = tl.program_id(1)
     WPB: tl.constexpr = BITS  # words per 32-weight block (32 * BITS / 32)
     PLANES: tl.constexpr = 2 if BITS == 8 else 4
-    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = n < N
-    n_safe = tl.where(n_in, n, 0)
-    m = tl.arange(0, BLOCK_M)  # x holds BLOCK_M rows (zeros past M): loads need no mask
-    m_in = m < M
+    n, n_in, n_safe, row0, first, m, m_in = _group(groups, N, BLOCK_N, BLOCK_M)
+    quants += row0.to(tl.int64) * WPR
     c = tl.arange(0, BLOCK_C)
     j = tl.arange(0, 4)
     chunks = WPR // 4
@@ -94,11 +108,11 @@ def _gemv_words_kernel(
     q_off = n_safe[:, None, None] * WPR + (c * 4)[None, :, None] + j[None, None, :]
     # x in the products' own shape [M, N, C, 4], the same words for every row: a thread loads them once
     # for the rows it holds, 16 bytes a load, with no layout conversion through shared memory
-    x_off = ((m[:, None, None, None] * chunks + c[None, None, :, None]) * (PLANES * 4) + j[None, None, None, :]
-             + tl.zeros([BLOCK_N], tl.int32)[None, :, None, None])
+    x_off = (((first + m)[:, None, None, None] * chunks + c[None, None, :, None]) * (PLANES * 4)
+             + j[None, None, None, :] + tl.zeros([BLOCK_N], tl.int32)[None, :, None, None])
     b = c * 4 // WPB  # each chunk's block, from the iteration's first
-    d_off = b[None, :] * N + n_safe[:, None]
-    meta_off = (m[:, None] * KB + b[None, :]) * 2
+    d_off = b[None, :] * STRIDE + row0 + n_safe[:, None]
+    meta_off = ((first + m)[:, None] * KB + b[None, :]) * 2
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_C), dtype=tl.float32)
     for c0 in range(c_start, c_stop, BLOCK_C):  # a split's chunks are whole BLOCK_Cs: no mask in the loop
         q = tl.load(quants + q_off + c0 * 4)
@@ -118,10 +132,10 @@ def _gemv_words_kernel(
         sx = tl.load(xmeta + meta_off + b0 * 2)
         if BITS == 4:  # a weight is its nibble minus 8
             total -= 8 * tl.load(xmeta + meta_off + b0 * 2 + 1)[:, None, :]
-        d = tl.load(scales + d_off + b0 * N).to(tl.float32)
+        d = tl.load(scales + d_off + b0 * STRIDE).to(tl.float32)
         acc += total * d[None, :, :] * sx[:, None, :]
     result = tl.sum(acc, axis=2)
-    tl.store(out + (ps * M + m[:, None]) * N + n[None, :], result, mask=m_in[:, None] & n_in[None, :])
+    tl.store(out + (ps * M + first + m[:, None]) * N + n[None, :], result, mask=m_in[:, None] & n_in[None, :])
 
 
 @triton.jit
@@ -196,7 +210,7 @@ def _superblock_words(q, high_words, h_off, j, KIND: tl.constexpr):
 
 @triton.jit
 def _gemv_superblock_kernel(
-    xw, xmeta, quants, high_words, sub, supers, out, M, N, WPR, KB, chunks_per_split,
+    xw, xmeta, quants, high_words, sub, supers, out, groups, M, N, STRIDE, WPR, KB, chunks_per_split,
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
@@ -204,25 +218,22 @@ def _gemv_superblock_kernel(
     # in the same layout), plus: high_words int32 Q5_K [N, KB], Q6_K [N, 2 * KB] (else unused); sub int16
     # [KB, N], a chunk's integer scales; supers int32 [KB / 8, N], float16 d | dmin << 16.
     # BLOCK_C and chunks_per_split are multiples of 8: an iteration covers whole superblocks.
-    pn = tl.program_id(0)
     ps = tl.program_id(1)
-    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = n < N
-    n_safe = tl.where(n_in, n, 0)
-    m = tl.arange(0, BLOCK_M)
-    m_in = m < M
+    n, n_in, n_safe, row0, first, m, m_in = _group(groups, N, BLOCK_N, BLOCK_M)
     c = tl.arange(0, BLOCK_C)
     j = tl.arange(0, 4)
     chunks = WPR // 4
     HIGH: tl.constexpr = 1 if KIND == 3 else 2 if KIND == 4 else 0  # high words a chunk
     c_start = ps * chunks_per_split
     c_stop = tl.minimum(c_start + chunks_per_split, chunks)
+    quants += row0.to(tl.int64) * WPR
+    high_words += row0.to(tl.int64) * (HIGH * KB)
     q_off = n_safe[:, None, None] * WPR + (c * 4)[None, :, None] + j[None, None, :]
-    x_off = ((m[:, None, None, None] * chunks + c[None, None, :, None]) * 16 + j[None, None, None, :]
+    x_off = (((first + m)[:, None, None, None] * chunks + c[None, None, :, None]) * 16 + j[None, None, None, :]
              + tl.zeros([BLOCK_N], tl.int32)[None, :, None, None])
-    meta_off = (m[:, None] * KB + c[None, :]) * 2
-    sub_off = c[None, :] * N + n_safe[:, None]
-    sup_off = (c // 8)[None, :] * N + n_safe[:, None]
+    meta_off = ((first + m)[:, None] * KB + c[None, :]) * 2
+    sub_off = c[None, :] * STRIDE + row0 + n_safe[:, None]
+    sup_off = (c // 8)[None, :] * STRIDE + row0 + n_safe[:, None]
     h_off = n_safe[:, None] * (HIGH * KB) + c[None, :] * HIGH
     # IQ4's codebook words (values 0..3 and 8..11), in registers: (n >> 30) is 0, not to the compiler,
     # which would keep a constant in a uniform register and copy it out at every use
@@ -239,8 +250,8 @@ def _gemv_superblock_kernel(
         dot_low = _dp2a_first(tl.load(x_at), low[None, :, :, :], False, USE_ASM)
         dot_low = _dp2a(tl.load(x_at + 4), low[None, :, :, :], dot_low, True, USE_ASM)
         sx = tl.load(xmeta + meta_off + c0 * 2)[:, None, :]
-        s = tl.load(sub + sub_off + c0 * N).to(tl.int32)  # [N, C]
-        sup = tl.load(supers + sup_off + (c0 // 8) * N)
+        s = tl.load(sub + sub_off + c0 * STRIDE).to(tl.int32)  # [N, C]
+        sup = tl.load(supers + sup_off + (c0 // 8) * STRIDE)
         d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         if KIND == 4:  # Q6_K: a scale per 16 weights, bytes 4 x (code - 32)
             dot_high = _dp2a_first(tl.load(x_at + 8), high[None, :, :, :], False, USE_ASM)
@@ -260,7 +271,7 @@ def _gemv_superblock_kernel(
                 acc += (total * (d * (s & 0xFF).to(tl.float32))[None, :, :]
                         - sums * (dmin * ((s >> 8) & 0xFF).to(tl.float32))[None, :, :]) * sx
     result = tl.sum(acc, axis=2)
-    tl.store(out + (ps * M + m[:, None]) * N + n[None, :], result, mask=m_in[:, None] & n_in[None, :])
+    tl.store(out + (ps * M + first + m[:, None]) * N + n[None, :], result, mask=m_in[:, None] & n_in[None, :])
 
 
 # x's 16-bit code pairs, per plane, for the weight word lanes of each layout:
@@ -330,32 +341,66 @@ def gemv_words(x: torch.Tensor, planes: WordPlanes, splits: int | None = None, u
     of K (default: enough for 4 programs per SM), ``prepared`` x from
     ``prepare`` (made here if None), ``tiles`` overriding the launch plan's
     (``block_n``, ``block_c``, ``num_warps``)."""
+    m = x.shape[0]
+    groups = _one_group(m, x.device)
+    return _launch(x, planes, planes.rows, groups, 1, m, splits, use_asm, prepared, tiles)
+
+
+def gemv_words_grouped(x: torch.Tensor, planes: WordPlanes, n_experts: int, runs: list[tuple[int, int, int]],
+                       splits: int | None = None, use_asm: bool | None = None, **tiles) -> torch.Tensor:
+    """Mixture-of-experts GEMVs in one launch: ``planes`` hold ``n_experts``
+    matrices of ``N = rows / n_experts`` rows each, ``x`` ``[P, K]`` the
+    routed rows grouped by expert, ``runs`` (expert, first row, rows) with at
+    most 8 rows each. ``[P, N]`` in ``x``'s dtype: row ``j`` of a run times
+    its expert's matrix (rows of ``x`` in no run are left as zeros)."""
+    if planes.rows % n_experts:
+        raise ValueError(f"{planes.rows} rows are not {n_experts} experts' matrices")
+    if any(not 1 <= count <= GEMV_MAX_M for _, _, count in runs):
+        raise ValueError(f"a grouped GEMV run holds 1 to {GEMV_MAX_M} rows, got {[r[2] for r in runs]}")
+    rows = max(count for _, _, count in runs)
+    groups = torch.tensor(runs, dtype=torch.int32).to(x.device, non_blocking=True)
+    return _launch(x, planes, planes.rows // n_experts, groups, len(runs), rows, splits, use_asm, None, tiles)
+
+
+@functools.cache
+def _one_group(m: int, device: torch.device) -> torch.Tensor:
+    """The group table of a plain weight, made once (a call inside a CUDA
+    graph capture must not copy from the host)."""
+    return torch.tensor([[0, 0, m]], dtype=torch.int32, device=device)
+
+
+def _launch(x, planes, n, groups, n_groups, rows, splits, use_asm, prepared, tiles) -> torch.Tensor:
+    """The GEMV over ``n_groups`` groups of at most ``rows`` rows of x, each
+    times ``n`` rows of the planes (``_group`` in the kernels)."""
     m, k = x.shape
-    launch = gemv_words_launch(int(planes.qtype), m, **tiles)
+    launch = gemv_words_launch(int(planes.qtype), rows, **tiles)
     if k != planes.cols:
         raise ValueError(f"x has {k} columns, the weight {planes.cols}")
     chunks = planes.words_per_row // 4
     if tiles.get("block_c") and chunks % tiles["block_c"]:
         raise ValueError(f"{chunks} chunks of 4 words a row are not whole tiles of {tiles['block_c']}")
-    block_n = launch.constexprs["BLOCK_N"]
+    block_n, block_m = launch.constexprs["BLOCK_N"], launch.constexprs["BLOCK_M"]
     block_c = _block_c(chunks, launch.constexprs["BLOCK_C"], planes.kind.superblocks)
-    xw, xmeta = prepared if prepared is not None else prepare(x, planes)
-    n_tiles = triton.cdiv(planes.rows, block_n)
+    if prepared is None:  # x's rows, and BLOCK_M of zeros after them for the last group's tile to read
+        prepared = prepare_activations(x, pairing_of(planes), m + block_m if n_groups > 1 else block_m)
+    xw, xmeta = prepared
+    n_tiles = triton.cdiv(n, block_n)
     if splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        splits = split_k(n_tiles, chunks, block_c, sms)
+        splits = split_k(n_tiles * n_groups, chunks, block_c, sms)
     per_split = triton.cdiv(triton.cdiv(chunks, splits), block_c) * block_c
     splits = triton.cdiv(chunks, per_split)
-    out = torch.empty((splits, m, planes.rows), dtype=torch.float32, device=x.device)
+    out = (torch.empty if n_groups == 1 else torch.zeros)((splits, m, n), dtype=torch.float32, device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
     constexprs = {**launch.constexprs, "BLOCK_C": block_c, "USE_ASM": use_asm}
-    common = (m, planes.rows, planes.words_per_row, k // BLOCK, per_split)
+    common = (groups, m, n, planes.rows, planes.words_per_row, k // BLOCK, per_split)
+    grid = (n_tiles, splits, n_groups)
     if planes.scales is not None:
-        _gemv_words_kernel[(n_tiles, splits)](xw, xmeta, planes.quants, planes.scales, out, *common,
-                                              **constexprs, num_warps=launch.num_warps)
+        _gemv_words_kernel[grid](xw, xmeta, planes.quants, planes.scales, out, *common,
+                                 **constexprs, num_warps=launch.num_warps)
     else:
         high = planes.high if planes.high is not None else planes.quants
-        _gemv_superblock_kernel[(n_tiles, splits)](xw, xmeta, planes.quants, high, planes.sub, planes.supers,
-                                                   out, *common, **constexprs, num_warps=launch.num_warps)
+        _gemv_superblock_kernel[grid](xw, xmeta, planes.quants, high, planes.sub, planes.supers, out, *common,
+                                      **constexprs, num_warps=launch.num_warps)
     return out.sum(dim=0).to(x.dtype)

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from .backends import resolve_backend
-from .launch import CPU_GEMV_MAX_M
-from .qmatmul import qmatmul
+from .launch import CPU_GEMV_MAX_M, GEMV_MAX_M
+from .qmatmul import planes_matmul, qmatmul
 from .quant_tensor import QuantTensor
+from .word_planes import WordPlanes
 
 
 def expert_matrix(experts: QuantTensor, e: int) -> QuantTensor:
@@ -102,4 +103,34 @@ def expert_matmul(x: torch.Tensor, experts: QuantTensor, groups: ExpertGroups,
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     for e, start, count in runs:
         out[start:start + count] = qmatmul(x[start:start + count], expert_matrix(experts, e), backend)
+    return out
+
+
+def expert_planes(experts: QuantTensor) -> WordPlanes:
+    """An ``[E, N, K]`` expert tensor in the GPU word layout: ``E * N`` rows,
+    expert ``e``'s matrix in rows ``e*N ..`` (``word_planes``)."""
+    n_experts, n, k = experts.shape
+    return WordPlanes.of(QuantTensor(experts.data, experts.qtype, (n_experts * n, k)))
+
+
+def expert_planes_matmul(x: torch.Tensor, planes: WordPlanes, n_experts: int, groups: ExpertGroups) -> torch.Tensor:
+    """``expert_matmul`` over experts in word planes (``expert_planes``): the
+    experts with a decode step's few rows in one grouped GEMV launch, each of
+    the others its rows of the planes (a copy of one expert's) times its
+    routed rows as ``planes_matmul`` does a prompt's."""
+    if x.dim() != 2 or x.shape[0] != groups.pairs:
+        raise ValueError(f"x must be [{groups.pairs}, K] (one row per routed pair), got {tuple(x.shape)}")
+    n = planes.rows // n_experts
+    runs = [(e, groups.offsets[i], groups.offsets[i + 1] - groups.offsets[i]) for i, e in enumerate(groups.experts)]
+    small = [r for r in runs if r[2] <= GEMV_MAX_M]
+    if small:
+        from ._triton_gemv_words import gemv_words_grouped
+
+        out = gemv_words_grouped(x, planes, n_experts, small)
+    else:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    for e, start, count in runs:
+        if count > GEMV_MAX_M:
+            rows = planes.select_rows(torch.arange(e * n, (e + 1) * n, device=planes.device))
+            out[start:start + count] = planes_matmul(x[start:start + count], rows)
     return out

@@ -112,7 +112,7 @@ def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: i
 
 def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
     launch = gemv_words_launch(qtype, m, **tiles)
-    pointers = {"xw": "*i32", "xmeta": "*fp32", "quants": "*i32", "out": "*fp32"}
+    pointers = {"xw": "*i32", "xmeta": "*fp32", "quants": "*i32", "out": "*fp32", "groups": "*i32"}
     label = _label(f"{T(qtype).name} words", launch, "i16")
     if T(qtype) in WORD_KINDS:
         pointers.update({"high_words": "*i32", "sub": "*i16", "supers": "*i32"})

@@ -134,6 +134,15 @@ class WordPlanes:
     def device(self) -> torch.device:
         return self.quants.device
 
+    def select_rows(self, index: torch.Tensor) -> WordPlanes:
+        """The planes of rows ``index`` alone (a copy: one expert's matrix of
+        a mixture's, the rows a lookup asks for)."""
+        index = index.reshape(-1).to(self.device)
+        picked = [None if p is None else p.index_select(dim, index).contiguous()
+                  for p, dim in ((self.scales, 1), (self.high, 0), (self.sub, 1), (self.supers, 1))]
+        return WordPlanes(self.qtype, int(index.numel()), self.cols, self.quants.index_select(0, index).contiguous(),
+                          *picked)
+
     @classmethod
     def of(cls, qt: QuantTensor) -> WordPlanes:
         """``qt``'s blocks split into code words and scale planes, on ``qt``'s device."""
@@ -234,8 +243,4 @@ def dequantize_planes(planes: WordPlanes) -> torch.Tensor:
 def planes_rows(planes: WordPlanes, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``index`` of the weight, dequantized to ``dtype`` ``[len(index),
     cols]`` (a token table's lookup: only those rows are read)."""
-    index = index.reshape(-1).to(planes.device)
-    rows = WordPlanes(planes.qtype, int(index.numel()), planes.cols, planes.quants.index_select(0, index).contiguous(),
-                      *(None if p is None else p.index_select(d, index).contiguous()
-                        for p, d in ((planes.scales, 1), (planes.high, 0), (planes.sub, 1), (planes.supers, 1))))
-    return dequantize_planes(rows).to(dtype)
+    return dequantize_planes(planes.select_rows(index)).to(dtype)

@@ -7,7 +7,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata_kernels import ExpertGroups, QuantTensor, expert_matmul, expert_matrix
+from strata_kernels import (
+    ExpertGroups,
+    QuantTensor,
+    WordPlanes,
+    expert_matmul,
+    expert_matrix,
+    expert_planes,
+    expert_planes_matmul,
+    has_word_layout,
+)
 
 from ..errors import ModelFileError
 from ..files import Backend
@@ -22,7 +31,10 @@ class MoEFeedForward(nn.Module):
 
     Invariant: ``gate_exps``/``up_exps`` are ``[E, F, hidden]`` and
     ``down_exps`` ``[E, hidden, F]`` GGUF blocks, kept as blocks on every
-    path: the kernels read the experts a step uses, and the exact path
+    path but the GPU's, which holds the types with a word layout in
+    ``planes`` instead (one ``WordPlanes`` of ``E * F`` or ``E * hidden`` rows
+    per tensor; the blocks then dropped): the kernels read the experts a
+    step uses, and the exact path
     (torch) dequantizes those, per call, in float32 (at most ``rows * k``
     experts' three matrices at a time: ``3 * F * hidden * 4`` bytes each),
     never all of them. The router (``ffn_gate_inp``, ``[E, hidden]``) is a
@@ -51,6 +63,18 @@ class MoEFeedForward(nn.Module):
         self.kernel = {name: ("cpu" if backend.cpu_kernels else "auto") if backend.keeps_blocks(expert_matrix(t, 0))
                        else "torch"
                        for name, t in (("gate", self.gate_exps), ("up", self.up_exps), ("down", self.down_exps))}
+        self.planes: dict[str, WordPlanes] = {}
+        if backend.kernels == "triton":
+            for name in ("gate", "up", "down"):
+                tensor = getattr(self, f"{name}_exps")
+                if has_word_layout(expert_matrix(tensor, 0)):
+                    self.planes[name] = expert_planes(tensor)
+                    setattr(self, f"{name}_exps", None)
+
+    def _matmul(self, name: str, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        if name in self.planes:
+            return expert_planes_matmul(x, self.planes[name], self.n_experts, groups)
+        return expert_matmul(x, getattr(self, f"{name}_exps"), groups, self.kernel[name])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts ``[T, k]`` (int64) and their weights ``[T, k]`` (float32)."""
@@ -64,9 +88,9 @@ class MoEFeedForward(nn.Module):
         ids, weights = self.route(x)
         groups = ExpertGroups.of(ids, self.n_experts)
         rows = x[groups.rows]  # one row per routed pair, grouped by expert
-        gate = expert_matmul(rows, self.gate_exps, groups, self.kernel["gate"])
-        up = expert_matmul(rows, self.up_exps, groups, self.kernel["up"])
-        out = expert_matmul(self.act_mul(gate, up, self.cpu_kernel), self.down_exps, groups, self.kernel["down"])
+        gate = self._matmul("gate", rows, groups)
+        up = self._matmul("up", rows, groups)
+        out = self._matmul("down", self.act_mul(gate, up, self.cpu_kernel), groups)
         out = out.float() * weights.reshape(-1)[groups.order][:, None]
         return torch.zeros((x.shape[0], out.shape[1]), dtype=torch.float32, device=x.device) \
             .index_add_(0, groups.rows, out).to(x.dtype)

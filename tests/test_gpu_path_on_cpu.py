@@ -36,29 +36,37 @@ def _teacher_forced(engine, ids: list[int], next_ids: list[int]) -> list[torch.T
     return out
 
 
+def _both_paths(monkeypatch, path, steps: int):
+    """The file loaded on the exact path and on the GPU word path, and the
+    logits each gives for the same prompt and teacher-forced decode steps."""
+    options = dict(progress=False, context_length=128, conversation_cache_mib=0, dtype="float32")
+    exact = strata_runtime.load(path, **options)
+    ids = exact.tokenize(CORPUS[0])[:24]
+    forced = [int(t) for t in exact.tokenize(CORPUS[1])[:steps]]
+    monkeypatch.setenv("STRATA_CPU_KERNELS", "triton")
+    gpu_path = strata_runtime.load(path, **options)
+    return gpu_path, _teacher_forced(gpu_path, ids, forced), _teacher_forced(exact, ids, forced)
+
+
+def _assert_agree(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """The same top token at every step, KL below 1e-4, logits within 0.5% of the largest."""
+    for step, (g, e) in enumerate(zip(got, expected)):
+        kl = torch.nn.functional.kl_div(g.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum")
+        assert g.argmax() == e.argmax() and kl < 1e-4, (step, float(kl))
+        assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_the_gpu_word_path_matches_the_exact_path(tmp_path, monkeypatch, qtype):
     from strata_runtime.models.layers import Linear
 
     path = write_tiny_model(tmp_path / "llama.gguf", "llama", SHAPE, 5, qtype)
-    options = dict(progress=False, context_length=128, conversation_cache_mib=0, dtype="float32")
-    exact = strata_runtime.load(path, **options)
-    ids = exact.tokenize(CORPUS[0])[:24]
-    steps = [int(t) for t in exact.tokenize(CORPUS[1])[:6]]
-    expected = _teacher_forced(exact, ids, steps)
-
-    monkeypatch.setenv("STRATA_CPU_KERNELS", "triton")
-    gpu_path = strata_runtime.load(path, **options)
+    gpu_path, got, expected = _both_paths(monkeypatch, path, 6)
     linears = [m for m in gpu_path.model.modules() if isinstance(m, Linear)]
     assert sum(m.planes is not None for m in linears) == 7 * SHAPE.layers + 1  # q k v o gate up down, the head
     assert all(m.qweight is None for m in linears if m.planes is not None)  # the blocks are not kept
-    got = _teacher_forced(gpu_path, ids, steps)
-
     # The prompt's projections take the planes dequantized (exact); the head, on the last row only, the GEMV.
-    for step, (g, e) in enumerate(zip(got, expected)):
-        kl = torch.nn.functional.kl_div(g.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum")
-        assert g.argmax() == e.argmax() and kl < 1e-4, (step, float(kl))
-        assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
+    _assert_agree(got, expected)
 
 
 MOE_CASES = [(Shape(experts=4, experts_per_token=2, expert_ffn=32), Q.Q8_0),
@@ -74,20 +82,11 @@ def test_a_mixture_of_experts_on_the_gpu_word_path_matches_the_exact_path(tmp_pa
     from strata_runtime.models.moe import MoEFeedForward
 
     path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, 3, qtype)
-    options = dict(progress=False, context_length=128, conversation_cache_mib=0, dtype="float32")
-    exact = strata_runtime.load(path, **options)
-    ids = exact.tokenize(CORPUS[0])[:24]
-    steps = [int(t) for t in exact.tokenize(CORPUS[1])[:4]]
-    expected = _teacher_forced(exact, ids, steps)
-    monkeypatch.setenv("STRATA_CPU_KERNELS", "triton")
-    gpu_path = strata_runtime.load(path, **options)
+    gpu_path, got, expected = _both_paths(monkeypatch, path, 4)
     moes = [m for m in gpu_path.model.modules() if isinstance(m, MoEFeedForward)]
     assert len(moes) == shape.layers and all(set(m.planes) == {"gate", "up", "down"} and m.up_exps is None
                                              for m in moes)
-    for step, (g, e) in enumerate(zip(_teacher_forced(gpu_path, ids, steps), expected)):
-        kl = torch.nn.functional.kl_div(g.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum")
-        assert g.argmax() == e.argmax() and kl < 1e-4, (step, float(kl))
-        assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
+    _assert_agree(got, expected)
 
 
 def test_the_gpu_path_on_the_cpu_needs_the_interpreter(monkeypatch):

@@ -8,7 +8,9 @@ For M tokens each routed to ``--top-k`` of ``--experts`` experts (a seeded
 random routing, every expert equally likely: the routing a load-balanced
 router aims at), times ``expert_matmul`` on the routed rows as a layer runs
 it (``ExpertGroups`` once, then each expert's rows: on the CPU kernels one
-GEMV call for every expert with a few rows, one GEMM per expert with more).
+GEMV call for every expert with a few rows, one GEMM per expert with more);
+on a GPU also ``expert_planes_matmul``, the experts in word planes as the
+runtime holds them there (one grouped GEMV launch for a decode step).
 Prints the experts a step reads, the bytes of their blocks over the time
 (GB/s) and that against this device's copy bandwidth (read + write of a
 large buffer), the bound a decode step's weight-reading kernel approaches
@@ -31,7 +33,15 @@ from helpers import random_quant_tensor  # noqa: E402  (test helper: random GGUF
 from kernels import copy_bandwidth, device_name, time_call  # noqa: E402
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from strata_kernels import ExpertGroups, QuantTensor, block_format, expert_matmul  # noqa: E402
+from strata_kernels import (  # noqa: E402
+    ExpertGroups,
+    QuantTensor,
+    block_format,
+    expert_matmul,
+    expert_planes,
+    expert_planes_matmul,
+    has_word_layout,
+)
 
 
 def main() -> None:
@@ -53,24 +63,30 @@ def main() -> None:
     bound = copy_bandwidth(device)
     print(f"# {device_name(device)}, torch {torch.__version__}, {platform.machine()}; {args.experts} experts of "
           f"{n}x{k}, top-{args.top_k}; copy bandwidth {bound / 1e9:.1f} GB/s (read + write)")
-    print("| type | M | experts read | MB read | ms | GB/s | of copy bw | GFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| type | path | M | experts read | MB read | ms | GB/s | of copy bw | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.types.split(","):
         qtype = T[name]
         flat = random_quant_tensor(qtype, args.experts * n, k // block_format(qtype).block_size, seed=0)
         experts = QuantTensor(flat.data, qtype, (args.experts, n, k)).to(device)
-        per_expert = experts.nbytes / args.experts
+        # On a GPU the runtime holds experts of a type with a word layout as planes (word_planes).
+        planes = expert_planes(experts) if device.type == "cuda" and has_word_layout(flat) else None
         for m in (int(v) for v in args.m.split(",")):
             g = torch.Generator().manual_seed(m)
             ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(m)]).to(device)
             x = torch.randn(m, k, generator=g).to(device)
             groups = ExpertGroups.of(ids, args.experts)
             rows = x[groups.rows]
-            seconds = time_call(lambda: expert_matmul(rows, experts, groups, backend), device, args.reps)
-            read = per_expert * len(groups.experts)
-            flops = 2 * groups.pairs * n * k
-            print(f"| {name} | {m} | {len(groups.experts)} | {read / 1e6:.1f} | {seconds * 1e3:.2f} | "
-                  f"{read / seconds / 1e9:.1f} | {read / seconds / bound:.0%} | {flops / seconds / 1e9:.1f} |")
+            paths = [("blocks", experts.nbytes, lambda: expert_matmul(rows, experts, groups, backend))]
+            if planes is not None:
+                paths.append(("planes", planes.nbytes,
+                              lambda: expert_planes_matmul(rows, planes, args.experts, groups)))
+            for path, nbytes, fn in paths:
+                seconds = time_call(fn, device, args.reps)
+                read = nbytes / args.experts * len(groups.experts)
+                flops = 2 * groups.pairs * n * k
+                print(f"| {name} | {path} | {m} | {len(groups.experts)} | {read / 1e6:.1f} | {seconds * 1e3:.2f} | "
+                      f"{read / seconds / 1e9:.1f} | {read / seconds / bound:.0%} | {flops / seconds / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,17 @@
 call timed alone: captured in a CUDA graph and replayed (no Python between
 launches), at the decode shapes of an 8B model.
 
-For each type with a word layout (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_XS), weight shape and M: the time
-of the word GEMV (activations prepared in the same graph), of ``qmatmul``'s
-GEMV on the GGUF blocks, and of ``torch.matmul`` on a bf16 weight of the same
-shape (the practical roof: it reads 2 bytes a weight where these read ~1 or
-~0.56); the weight bytes each reads over its time in GB/s and as a share of
-this device's copy bandwidth.
+For each type with a word layout (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_XS),
+weight shape and M: at a decode step's 1-8 rows the time of the word GEMV
+(activations prepared in the same graph); at a prompt's 512 rows that of the
+planes dequantized into the scratch and a dense matmul (the goal: within 1.3x
+of the dense bf16 matmul); beside them ``qmatmul`` on the GGUF blocks (the
+older kernels) and ``torch.matmul`` on a bf16 weight of the same shape (the
+practical roof: it reads 2 bytes a weight where these read ~1 or ~0.56); the
+weight bytes each reads over its time in GB/s and as a share of this
+device's copy bandwidth.
 
-    python bench/gemv_words.py [--shapes 4096x14336,14336x4096] [--m 1,2,4,8] [--csv FILE]
+    python bench/gemv_words.py [--shapes 4096x14336,14336x4096] [--m 1,2,4,8] [--prompt-m 512] [--csv FILE]
 
 On a CPU it runs the word GEMV once under the Triton interpreter at a small
 shape against float64 products, every type: a smoke run, not a measurement.
@@ -33,32 +36,12 @@ from helpers import random_quant_tensor  # noqa: E402  (test helper: random GGUF
 
 from strata_kernels.word_planes import WORD_TYPES, WordPlanes, dequantize_planes  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import graph_seconds  # noqa: E402
+
 
 def block_size(qtype) -> int:
     return 256 if WORD_TYPES[qtype].superblocks else 32
-
-
-def graph_seconds(fn, reps: int = 50) -> float:
-    """Median seconds per call of ``fn`` captured in a CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10 / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -84,12 +67,13 @@ def smoke() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4096x14336,14336x4096", help="N x K weight shapes")
-    parser.add_argument("--m", default="1,2,4,8", help="rows of x")
+    parser.add_argument("--m", default="1,2,4,8", help="rows of x (a decode step's)")
+    parser.add_argument("--prompt-m", default="512", help="rows of x of a prompt (the planes dequantized + matmul)")
     parser.add_argument("--csv", default=None, help="append one row per case here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         return smoke()
-    from strata_kernels import qmatmul
+    from strata_kernels import planes_matmul, qmatmul
     from strata_kernels._triton_gemv_words import gemv_words
 
     bandwidth = copy_bandwidth()
@@ -103,9 +87,11 @@ def main() -> int:
             qt = random_quant_tensor(qtype, n, k // block_size(qtype), seed=n).to("cuda")
             planes = WordPlanes.of(qt)
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            for m in (int(v) for v in args.m.split(",")):
+            decode = [int(v) for v in args.m.split(",")]
+            for m in decode + [int(v) for v in args.prompt_m.split(",") if v]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                cases = [("words", planes.nbytes, lambda: gemv_words(x, planes)),
+                words = (lambda: gemv_words(x, planes)) if m in decode else (lambda: planes_matmul(x, planes))
+                cases = [("words", planes.nbytes, words),
                          ("blocks", qt.nbytes, lambda: qmatmul(x, qt)),
                          ("bf16", dense.numel() * 2, lambda: x @ dense.T)]
                 for path, nbytes, fn in cases:

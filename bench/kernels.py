@@ -61,6 +61,30 @@ def time_call(fn, device: torch.device, reps: int) -> float:
     return statistics.median(samples)
 
 
+def graph_seconds(fn, reps: int = 50) -> float:
+    """Median seconds per call of ``fn`` captured in a CUDA graph and
+    replayed: the kernels alone, no Python or launch overhead between them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 10 / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second of a large device-to-device copy (read + write)."""
     src = torch.empty(256 << 20, dtype=torch.uint8, device=device)

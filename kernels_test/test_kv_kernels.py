@@ -200,6 +200,28 @@ def test_decode_split_over_the_context(fmt):
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_splits_merge_to_one_pass(fmt):
+    """A context split 40 ways (the merge kernel's splits in three tiles of
+    16, the last one partial) equals the torch path's one pass."""
+    from strata_kernels._triton_attention import attention_triton
+    from strata_kernels.launch_plans import FORMAT_CODES, KernelLaunch
+
+    hkv, group, d, context = 2, 4, 64, 700
+    store = KVStore.allocate(fmt, context, hkv, d)
+    keys, values = _rand(context, hkv, d, seed=3), _rand(context, hkv, d, seed=4)
+    kv_write(store, torch.arange(context), keys, values)
+    q = _rand(1, hkv * group, d, seed=5)
+    expected = attention(q, store, context - 1, None, 0.125, backend="torch")
+    rotated = q @ hadamard(d) if store.rotated else q
+    launch = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[fmt], BLOCK_M=16, BLOCK_N=16))
+    got = attention_triton(rotated[None], store, [context - 1], None, 0.125, BlockTables.contiguous(context),
+                           launch=(launch, 40))[0]
+    got = got @ hadamard(d) if store.rotated else got
+    ok, report = _close(got, expected, "triton")
+    assert ok, report
+
+
 @pytest.mark.parametrize("sms,heads,context", [(132, 8, 4096), (82, 8, 4096), (132, 1, 4096), (132, 64, 1024)])
 def test_decode_splits_fill_every_sm_twice(sms, heads, context):
     """A decode step's programs (sequences x KV heads x splits) reach twice

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .kv_quant import KVStore
-from .launch_plans import KernelLaunch, attention_launch
+from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
 
 
@@ -181,6 +181,39 @@ def _attention_kernel(
     tl.store(part_ml + out_row * 2 + 1, l_i, mask=row_ok)
 
 
+@triton.jit
+def _merge_splits_kernel(part_acc, part_ml, out, splits, HKV, TG, G, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # The splits' log-sum-exp merge, one program per (sequence, KV head, row r = t * G + g): weights
+    # exp(m_s - max m) (a split past a sequence's end holds m = -inf, l = 0: weight 0), the output
+    # sum_s w_s acc_s / sum_s w_s l_s written in place at [seq, t, KV head * G + g, :] of out [B, T, H, D].
+    row = tl.program_id(0)
+    seq = row // (HKV * TG)
+    kvh = (row // TG) % HKV
+    r = row % TG
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    at = ((seq * splits + sp) * HKV + kvh).to(tl.int64) * TG + r  # [BLOCK_S] rows of the parts, the first splits
+    stride = HKV * TG * BLOCK_S  # from one tile of splits to the next
+    top = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        top = tl.maximum(top, tl.load(part_ml + (at + s0 // BLOCK_S * stride) * 2, mask=sp + s0 < splits,
+                                      other=float("-inf")))
+    m_max = tl.max(top, axis=0)
+    acc = tl.zeros((D,), tl.float32)
+    total = tl.zeros((BLOCK_S,), tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        rows = at + s0 // BLOCK_S * stride
+        ok = sp + s0 < splits
+        m = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"))
+        weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        total += weight * tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0)
+        parts = tl.load(part_acc + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(parts * weight[:, None], axis=0)
+    t = r // G
+    head = kvh * G + r % G
+    tl.store(out + ((seq * (TG // G) + t) * (HKV * G) + head).to(tl.int64) * D + d, acc / tl.sum(total, axis=0))
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     """The device's SMs (0 for the interpreter's CPU tensors: splits by length alone)."""
@@ -188,11 +221,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window: int | None, scale: float,
-                     tables: BlockTables, launch: tuple[KernelLaunch, int] | None = None) -> torch.Tensor:
+                     tables: BlockTables, launch: tuple[KernelLaunch, int] | None = None,
+                     starts_on_device: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[B, T, H, D]``: sequence ``b``'s queries at positions
     ``starts[b]..``, over its blocks (row ``b`` of ``tables``), all in one
     launch. Float32 ``[B, T, H, D]``. ``launch``: the constants and split count
-    to use instead of ``attention_launch``'s (tests split short contexts)."""
+    to use instead of ``attention_launch``'s (tests split short contexts);
+    ``starts_on_device``: ``starts`` already as an int64 tensor on ``q``'s
+    device (a call captured in a CUDA graph copies nothing from the host)."""
     b, t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
@@ -211,13 +247,13 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
         store.k_scales if store.k_scales is not None else dummy,
         store.v_scales if store.v_scales is not None else dummy,
         table, tables.lengths.to(q.device),
-        torch.tensor(starts, dtype=torch.int64, device=q.device), part_acc, part_ml,
+        starts_on_device if starts_on_device is not None else torch.tensor(starts, dtype=torch.int64, device=q.device),
+        part_acc, part_ml,
         t, hkv, g, table.shape[1], tables.block_size, splits, per_split, window or 0, scale,
         **{**c, "USE_ASM": q.is_cuda}, num_warps=launch.num_warps,
     )
-    # Log-sum-exp merge of the splits (a split past a sequence's end holds m = -inf, l = 0: weight 0).
-    m, l = part_ml[..., 0:1], part_ml[..., 1:2]
-    m_max = m.amax(1, keepdim=True)
-    weight = torch.exp(torch.where(torch.isinf(m), float("-inf"), m - m_max))
-    out = (part_acc * weight).sum(1) / (l * weight).sum(1)
-    return out.reshape(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    out = torch.empty((b, t, h, d), dtype=torch.float32, device=q.device)
+    merge = merge_launch(d)
+    _merge_splits_kernel[(b * hkv * t * g,)](part_acc, part_ml, out, splits, hkv, t * g, g, **merge.constexprs,
+                                             num_warps=merge.num_warps)
+    return out

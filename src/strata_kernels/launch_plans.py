@@ -160,6 +160,11 @@ def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str, 
                              USE_ASM=True), s.num_warps), s.splits
 
 
+def merge_launch(head_dim: int) -> KernelLaunch:
+    """The attention splits' merge: 16 splits' rows a step."""
+    return KernelLaunch({"D": head_dim, "BLOCK_S": 16}, 4)
+
+
 def kv_quantize_launch(head_dim: int, group: int, bits: int, n_candidates: int) -> KernelLaunch:
     return KernelLaunch(dict(D=head_dim, GROUP=group, BITS=bits, N_CANDIDATES=n_candidates,
                              CANDIDATES=_pow2_at_least(n_candidates)))
@@ -279,6 +284,9 @@ def _attention_configs(dtypes) -> list[KernelConfig]:
                 shapes = [(1, g, 8192) for g in (1, 2, 4, 8, 16, 32, 64)] + [(512, 4, 8192)]
                 for t, group, n_slots in shapes:
                     out.append(attention_config(fmt, d, t, group, n_slots, dt)[0])
+    for d in HEAD_DIMS:
+        out.append(_config("_triton_attention", "_merge_splits_kernel", f"merge D={d}", merge_launch(d),
+                           {"part_acc": "*fp32", "part_ml": "*fp32", "out": "*fp32"}))
     return out
 
 

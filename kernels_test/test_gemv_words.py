@@ -171,3 +171,42 @@ def test_grouped_gemv_multiplies_each_run_by_its_own_expert(qtype):
     assert not out[12].any()
     with pytest.raises(ValueError, match="1 to 8 rows"):
         gemv_words_grouped(x, planes, experts, [(0, 0, 9)])
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [2, 5, 8])
+def test_tensor_core_gemv_matches_float64_products(qtype, m):
+    """2 to 8 rows of x on the tensor cores: the weights converted to
+    float16 exactly (Q8_0, Q4_0; Q4_K's block scale and min rounded to
+    float16), x scaled per row into float16: within float16's rounding of
+    the products. The planes_matmul route takes it for these rows."""
+    from strata_kernels import planes_matmul
+    from strata_kernels._triton_gemv_mma import gemv_mma
+    from strata_kernels.launch_plans import MMA_KINDS
+    from strata_kernels.qmatmul import MMA_TYPES, gemv_path
+
+    assert set(MMA_TYPES) == set(MMA_KINDS)
+    qt = random_quant_tensor(qtype, 37, _blocks_for(qtype, 512), seed=m)
+    planes = WordPlanes.of(qt)
+    x = torch.randn(m, qt.cols, generator=torch.Generator().manual_seed(m))
+    x[0, :32] *= 1000
+    ref = x.double() @ dequantize_planes(planes).double().T
+    scale = (x.double().abs() @ dequantize_planes(planes).double().abs().T)  # the sum of |products|
+    for out in (gemv_mma(x, planes, splits=3), planes_matmul(x, planes)):
+        assert out.shape == (m, 37)
+        assert ((out.double() - ref).abs() <= 2e-3 * scale + 1e-6).all(), ((out.double() - ref).abs() / scale).max()
+    assert gemv_path(m, planes) == "mma" and gemv_path(1, planes) == "words" and gemv_path(9, planes) == "dense"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_K], ids=lambda t: t.name)
+def test_compiled_tensor_core_gemv_equals_its_plain_form_at_real_size(qtype):
+    from strata_kernels._triton_gemv_mma import gemv_mma
+
+    qt = random_quant_tensor(qtype, 4096, _blocks_for(qtype, 14336), seed=4).to("cuda")
+    planes = WordPlanes.of(qt)
+    x = torch.randn(8, qt.cols, device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    compiled = gemv_mma(x, planes, use_asm=True)
+    assert torch.equal(compiled, gemv_mma(x, planes, use_asm=False))  # the conversions are exact either way
+    ref = x.double() @ dequantize_planes(planes).double().T
+    assert ((compiled.double() - ref).abs().max() / ref.abs().max()).item() < 2e-3

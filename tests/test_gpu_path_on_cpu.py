@@ -98,22 +98,48 @@ def test_the_gpu_path_on_the_cpu_needs_the_interpreter(monkeypatch):
         Backend.choose("cpu", torch.float32)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
-def test_a_token_table_in_word_planes_embeds_and_scores(qtype):
-    """A quantized token table on the GPU path is held as word planes alone:
-    a lookup dequantizes just the rows asked for, equal to the blocks'; a
-    decode step's scores come from the word GEMV, in float32."""
+def _random_weight(qtype, rows: int, cols: int, seed: int):
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels_test"))
     from helpers import random_quant_tensor
 
+    return random_quant_tensor(qtype, rows, cols // (256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32), seed=seed)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 12])
+def test_projections_share_x_by_path_and_pairing(rows):
+    """q/k/v-like projections of mixed types read one x: at 2-8 rows the
+    tensor-core GEMV (Q4_K, Q8_0) and the word GEMV (Q6_K) each prepare it
+    once for their own weights, and every output equals its layer alone."""
+    from strata_kernels import dequantize
+    from strata_runtime.files import Backend
+    from strata_runtime.models.layers import Linear, Projections
+
+    backend = Backend(torch.device("cpu"), torch.float32, "triton")
+    layers = [Linear(_random_weight(q, 48, 512, seed=i), backend)
+              for i, q in enumerate([Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_K])]
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    together = Projections(*layers)(x)
+    for layer, y in zip(layers, together):
+        assert torch.equal(y, layer.matmul(x))
+    weights = [dequantize(_random_weight(q, 48, 512, seed=i)) for i, q in enumerate([Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_K])]
+    for w, y in zip(weights, together):
+        ref = x.double() @ w.double().T
+        assert ((y.double() - ref).abs().max() / ref.abs().max()) < 2e-3
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_a_token_table_in_word_planes_embeds_and_scores(qtype):
+    """A quantized token table on the GPU path is held as word planes alone:
+    a lookup dequantizes just the rows asked for, equal to the blocks'; a
+    decode step's scores come from the word GEMV, in float32."""
     from strata_kernels import embedding_rows
     from strata_runtime.files import Backend
     from strata_runtime.models.layers import TiedEmbedding
 
-    table = random_quant_tensor(qtype, 300, 1 if qtype == Q.Q6_K else 8, seed=9)
+    table = _random_weight(qtype, 300, 256, seed=9)
     embedding = TiedEmbedding(table, Backend(torch.device("cpu"), torch.bfloat16, "triton"))
     assert embedding.out.planes is not None and embedding.out.qweight is None and embedding.device.type == "cpu"
     tokens = torch.tensor([[5, 299, 0], [17, 17, 150]])

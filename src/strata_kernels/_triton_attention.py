@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_convert import bytes_to_f16
 from .kv_quant import KVStore
 from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
@@ -55,26 +56,6 @@ def _iq4_level(code):
 
 
 @triton.jit
-def _int8_to_f16(codes, USE_ASM: tl.constexpr):
-    """Signed bytes as float16, exactly: 4 a register by the 1024-offset
-    trick (a byte's offset value as a float16 mantissa, less 1152), or a
-    plain conversion."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 u, lo, hi, bias;
-            xor.b32 u, $2, 0x80808080;
-            prmt.b32 lo, u, 0x64646464, 0x5140;
-            prmt.b32 hi, u, 0x64646464, 0x7362;
-            mov.b32 bias, 0x64806480;
-            sub.f16x2 $0, lo, bias;
-            sub.f16x2 $1, hi, bias;
-            }""",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    return codes.to(tl.float16)
-
-
-@triton.jit
 def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr,
              BLOCK_N: tl.constexpr, operand: tl.constexpr, USE_ASM: tl.constexpr):
     """``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N]``, in the
@@ -91,7 +72,7 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
         i = tl.arange(0, 16)
         byte = tl.load(data + row[:, None, None] * (D // 2) + b[None, :, None] * 16 + i[None, None, :])
         low, high = _iq4_levels(byte, USE_ASM)
-        levels = _int8_to_f16(tl.join(low, high), USE_ASM)  # [N, BLOCKS, 16, 2]: value 32 b + 2 i + h
+        levels = bytes_to_f16(tl.join(low, high), USE_ASM)  # [N, BLOCKS, 16, 2]: value 32 b + 2 i + h
         scale = tl.load(scales + row[:, None] * BLOCKS + b[None, :])
         return (levels * scale[:, :, None, None]).reshape(BLOCK_N, D).to(operand)
     G: tl.constexpr = D // 64  # int8 keys (and values): a scale per 64
@@ -99,7 +80,7 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
     j = tl.arange(0, 64)
     codes = tl.load(data + row[:, None, None] * D + g[None, :, None] * 64 + j[None, None, :])
     scale = tl.load(scales + row[:, None] * G + g[None, :])
-    return (_int8_to_f16(codes, USE_ASM) * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
+    return (bytes_to_f16(codes, USE_ASM) * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
 
 
 @triton.jit

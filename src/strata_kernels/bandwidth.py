@@ -198,7 +198,7 @@ class Row:
 def rows() -> list[Row]:
     """Every kernel and shape the check covers (bf16 activations, as a GPU runs them)."""
     from .formats import block_format
-    from .launch_plans import attention_config, gemv_config, gemv_words_config
+    from .launch_plans import MMA_KINDS, attention_config, gemv_config, gemv_mma_config, gemv_words_config
     from .word_planes import WORD_TYPES, bytes_per_weight
 
     out = []
@@ -209,6 +209,14 @@ def rows() -> list[Row]:
         out.append(Row("gemv", f"{name} {n}x{k} M={m}", (name, n, k, m), config,
                        gemv_ctas(c["BLOCK_N"], n), weights / config.num_warps))
     for name, qtype, m, n, k in gemv_rows(WORD_GEMV_TYPES):
+        if m > 1 and T(qtype) in MMA_KINDS:  # these rows run the tensor-core GEMV
+            config = gemv_mma_config(qtype)
+            c = config.constexprs
+            splits = split_k(math.ceil(n / c["BLOCK_N"]), k // 32, c["BLOCK_B"], PARTS["sm_90"].sms)
+            weights = c["BLOCK_N"] * c["BLOCK_B"] * 32
+            out.append(Row("gemv-mma", f"{name} {n}x{k} M={m}", (name, n, k, m), config,
+                           gemv_ctas(c["BLOCK_N"], n, splits), weights * bytes_per_weight(T(qtype)) / config.num_warps))
+            continue
         config = gemv_words_config(qtype, m)
         c = config.constexprs
         chunks = k * WORD_TYPES[T(qtype)].bits // 32 // 4

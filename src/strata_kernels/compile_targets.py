@@ -178,7 +178,8 @@ def compile_one(config: KernelConfig, target_name: str) -> CompileResult:
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(ASTSource(fn, dict(config.signature), dict(config.constexprs), aligned),
                                       target=GPUTarget("cuda", target.capability, 32),
-                                      options={"num_warps": config.num_warps})
+                                      options={"num_warps": config.num_warps,
+                                               **({"num_stages": config.num_stages} if config.num_stages else {})})
         usage = parse_ptxas(log.getvalue())
     except Exception as exc:  # a compile error is this configuration's result, not the run's end
         result.error = f"{type(exc).__name__}: {exc}"[:2000]

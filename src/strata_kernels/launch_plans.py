@@ -45,6 +45,7 @@ class KernelLaunch:
 
     constexprs: dict
     num_warps: int = 4
+    num_stages: int | None = None  # software pipelining stages (None: Triton's default)
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,14 @@ class KernelConfig:
     num_warps: int = 4
     decode: bool = False
     divisible: tuple = ()  # integer arguments a launch passes as multiples of 16 (the JIT specializes on it)
+    num_stages: int | None = None
 
     @property
     def key(self) -> tuple:
         key = (self.module, self.kernel, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
                self.num_warps)
-        return key + (self.divisible,) if self.divisible else key
+        key = key + (self.divisible,) if self.divisible else key
+        return key + (("stages", self.num_stages),) if self.num_stages is not None else key
 
 
 def triton_dtype(dtype) -> str:
@@ -122,6 +125,29 @@ def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
         config = _config("_triton_gemv_words", "_gemv_words_kernel", label, launch, pointers, decode=True)
     # A row's words and the planes' strides are multiples of 16 for every K a model has (K % 512 == 0).
     return dataclasses.replace(config, divisible=("WPR",))
+
+
+# The tensor-core GEMV (_triton_gemv_mma) for a decode step's 2-8 rows: its KIND per type.
+MMA_KINDS = {T.Q8_0: 0, T.Q4_0: 1, T.Q4_K: 2}
+
+
+def gemv_mma_launch(qtype: int) -> KernelLaunch:
+    """32 rows by 8 blocks of 32 weights a step, two warps: each warp's 16 rows
+    are its own (four warps over 32 rows converted every weight twice: 187
+    against 111 instructions per KiB of Q8_0 on sm_90)."""
+    # Two pipeline stages: three took twice the shared memory and no fewer instructions (sm_86 occupancy
+    # 0.08 against 0.21 for Q8_0); one took more registers and, for Q4_K, more instructions.
+    return KernelLaunch({"KIND": MMA_KINDS[T(qtype)], "BLOCK_N": 32, "BLOCK_B": 8, "USE_ASM": True}, 2, 2)
+
+
+def gemv_mma_config(qtype: int) -> KernelConfig:
+    launch = gemv_mma_launch(qtype)
+    superblocks = T(qtype) == T.Q4_K
+    pointers = {"xt": "*fp16", "xscale": "*fp32", "quants": "*i8" if T(qtype) == T.Q8_0 else "*u8",
+                "scales": "*i32" if superblocks else "*fp16", "sub": "*i16" if superblocks else "*i32",
+                "supers": "*i32", "out": "*fp32"}
+    return _config("_triton_gemv_mma", "_gemv_mma_kernel", _label(f"{T(qtype).name} mma", launch, "f16"), launch,
+                   pointers, decode=True)
 
 
 # The planes' dequantization (_triton_planes_dequant): its KIND per type, rows and blocks of 32 per program.
@@ -218,7 +244,7 @@ def _arg_names(module: str, kernel: str) -> list[str]:
 def _config(module: str, kernel: str, label: str, launch: KernelLaunch, pointers: dict, decode: bool = False,
             scalars: dict | None = None) -> KernelConfig:
     return KernelConfig(module, kernel, label, _signature(_arg_names(module, kernel), launch, pointers, scalars),
-                        dict(launch.constexprs), launch.num_warps, decode)
+                        dict(launch.constexprs), launch.num_warps, decode, num_stages=launch.num_stages)
 
 
 def _label(name: str, launch: KernelLaunch, dtype: str) -> str:
@@ -328,6 +354,7 @@ def _word_configs(dtypes) -> list[KernelConfig]:
     from .word_planes import WORD_TYPES
 
     return ([gemv_words_config(int(qtype), m) for qtype in WORD_TYPES for m in range(1, GEMV_MAX_M + 1)]
+            + [gemv_mma_config(int(qtype)) for qtype in MMA_KINDS]
             + [planes_dequant_config(int(qtype), dtype) for qtype in WORD_TYPES for dtype in dtypes])
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 import os
 
 import torch
+from gguf import GGMLQuantizationType as T
 
 from .backends import resolve_backend
 from .dequant import dequantize
 from .launch import GEMV_MAX_M
 from .quant_tensor import QuantTensor
-from .word_planes import WordPlanes, dequantize_planes
+from .word_planes import WordPlanes, dequantize_planes, pairing_of
+
+# The types the tensor cores' GEMV converts (launch_plans.MMA_KINDS; here without importing triton).
+MMA_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K)
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,26 +47,52 @@ def qmatmul(x: torch.Tensor, qt: QuantTensor, backend: str = "auto") -> torch.Te
     return x @ dequantize(qt, x.dtype, backend="torch").T
 
 
+def gemv_path(rows: int, planes: WordPlanes) -> str:
+    """Which kernel multiplies ``rows`` rows of x by ``planes``: ``"words"``
+    (the word GEMV: one row, and the types the tensor cores' GEMV does not
+    convert), ``"mma"`` (2 to 8 rows of Q8_0, Q4_0, Q4_K) or ``"dense"`` (a
+    prompt: the planes dequantized and a dense matmul). Weights whose x is
+    prepared alike (the same path and, for ``"words"``, pairing) share it."""
+    if rows > GEMV_MAX_M:
+        return "dense"
+    return "mma" if rows > 1 and planes.qtype in MMA_TYPES else "words"
+
+
+def preparation_key(rows: int, planes: WordPlanes) -> str:
+    path = gemv_path(rows, planes)
+    return f"words-{pairing_of(planes)}" if path == "words" else path
+
+
 def prepare_rows(x: torch.Tensor, planes: WordPlanes):
     """``x`` ``[M, K]`` prepared once for ``planes_matmul`` over every weight
-    whose words pair as ``planes``' do (q/k/v, gate/up), or None past a
-    decode step's rows (those take the dense path, which needs nothing)."""
-    if x.shape[0] > GEMV_MAX_M:
-        return None
-    from ._triton_gemv_words import prepare
+    with the same ``preparation_key`` (q/k/v, gate/up), or None where the
+    path needs nothing (a prompt's dense matmul)."""
+    path = gemv_path(x.shape[0], planes)
+    if path == "mma":
+        from ._triton_gemv_mma import prepare_mma
 
-    return prepare(x, planes)
+        return prepare_mma(x)
+    if path == "words":
+        from ._triton_gemv_words import prepare
+
+        return prepare(x, planes)
+    return None
 
 
 def planes_matmul(x: torch.Tensor, planes: WordPlanes, prepared=None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[M, K]`` and a weight in its GPU word layout
-    (``word_planes``), in ``x``'s dtype: the word GEMV for a decode step's
-    rows (M <= 8; under the Triton interpreter on CPU tensors), else the
-    weight dequantized to ``x``'s dtype and a dense matmul (a prompt: the
-    tensor cores' speed). ``prepared``: ``prepare_rows(x, ...)``, if made."""
+    (``word_planes``), in ``x``'s dtype, by ``gemv_path``'s kernel (under the
+    Triton interpreter on CPU tensors): a decode step's rows by a GEMV, a
+    prompt's by the weight dequantized to ``x``'s dtype and a dense matmul
+    (the tensor cores' speed). ``prepared``: ``prepare_rows(x, ...)``, if made."""
     if x.dim() != 2 or x.shape[1] != planes.cols:
         raise ValueError(f"x must be [M, {planes.cols}], got shape {tuple(x.shape)}")
-    if x.shape[0] <= GEMV_MAX_M:
+    path = gemv_path(x.shape[0], planes)
+    if path == "mma":
+        from ._triton_gemv_mma import gemv_mma
+
+        return gemv_mma(x, planes, prepared)
+    if path == "words":
         from ._triton_gemv_words import gemv_words
 
         return gemv_words(x, planes, prepared=prepared)

@@ -23,7 +23,7 @@ from strata_kernels import (
     qmatmul,
 )
 from strata_kernels.launch import CPU_GEMV_MAX_M
-from strata_kernels.word_planes import pairing_of
+from strata_kernels.qmatmul import preparation_key
 
 from ..files import Backend
 
@@ -119,12 +119,12 @@ class Projections:
 
     def _planes(self, x: torch.Tensor) -> list[torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])
-        prepared: dict[str, object] = {}  # x once per pairing of the words
+        prepared: dict[str, object] = {}  # x once per preparation (the GEMV path and its pairing)
         outs = []
         for layer in self.layers:
             made = None
             if layer.planes is not None:
-                key = pairing_of(layer.planes)
+                key = preparation_key(flat.shape[0], layer.planes)
                 if key not in prepared:
                     prepared[key] = prepare_rows(flat, layer.planes)
                 made = prepared[key]

@@ -353,7 +353,9 @@ def _recurrent_configs() -> list[KernelConfig]:
 def _word_configs(dtypes) -> list[KernelConfig]:
     from .word_planes import WORD_TYPES
 
-    return ([gemv_words_config(int(qtype), m) for qtype in WORD_TYPES for m in range(1, GEMV_MAX_M + 1)]
+    # A decode step's 2-8 rows of the tensor-core GEMV's types run it, not the word GEMV (qmatmul.gemv_path).
+    return ([gemv_words_config(int(qtype), m) for qtype in WORD_TYPES
+             for m in range(1, 2 if qtype in MMA_KINDS else GEMV_MAX_M + 1)]
             + [gemv_mma_config(int(qtype)) for qtype in MMA_KINDS]
             + [planes_dequant_config(int(qtype), dtype) for qtype in WORD_TYPES for dtype in dtypes])
 

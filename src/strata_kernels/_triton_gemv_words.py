@@ -10,9 +10,17 @@ stay in registers, one per row and chunk, and are reduced once after the
 loop. The K range is split over programs (``split_k``) so that a launch has
 enough programs for every SM; the splits' partial outputs are summed after.
 
-``USE_ASM`` (a constexpr) picks ``dp2a`` through inline PTX, or the same
-integer arithmetic in plain Triton, which the interpreter runs: the two are
-equal bit for bit.
+Two kernels: ``_gemv_words_kernel`` for Q8_0 and Q4_0 (a float16 scale per
+32), ``_gemv_superblock_kernel`` for Q4_K, Q5_K, Q6_K and IQ4_XS (integer
+sub-block scales and a superblock's d, their high-bit words, IQ4's codebook
+by ``prmt``). Both take groups (expert, rows of x) so that a mixture's
+routed rows run in one launch (``gemv_words_grouped``); a plain weight is
+one group. At 2-8 rows the tensor-core GEMV (``_triton_gemv_mma``) takes
+the types it converts.
+
+``USE_ASM`` (a constexpr) picks ``dp2a`` and ``prmt`` through inline PTX, or
+the same integer arithmetic in plain Triton, which the interpreter runs: the
+two are equal bit for bit.
 """
 
 from __future__ import annotations

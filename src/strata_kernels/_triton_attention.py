@@ -63,10 +63,11 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
     codes (16 bytes a load), converted to float16 4 a register, and scaled
     in a tile ``[BLOCK_N, groups, group]`` that meets each group's scale."""
     row = (slots * HKV + kvh).to(tl.int64)
+    # One branch each (compile-time): a head dim under 64 never meets the quantized formats' groups.
     if FMT == 0:
         d = tl.arange(0, D)
-        return tl.load(data + row[:, None] * D + d[None, :]).to(operand)
-    if FMT == 2 and IS_V:  # k8v4 values: two 4-bit codes a byte (value 2i low, 2i + 1 high), a scale per 32
+        tile = tl.load(data + row[:, None] * D + d[None, :]).to(operand)
+    elif FMT == 2 and IS_V:  # k8v4 values: two 4-bit codes a byte (value 2i low, 2i + 1 high), a scale per 32
         BLOCKS: tl.constexpr = D // 32
         b = tl.arange(0, BLOCKS)
         i = tl.arange(0, 16)
@@ -74,13 +75,15 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
         low, high = _iq4_levels(byte, USE_ASM)
         levels = bytes_to_f16(tl.join(low, high), USE_ASM)  # [N, BLOCKS, 16, 2]: value 32 b + 2 i + h
         scale = tl.load(scales + row[:, None] * BLOCKS + b[None, :])
-        return (levels * scale[:, :, None, None]).reshape(BLOCK_N, D).to(operand)
-    G: tl.constexpr = D // 64  # int8 keys (and values): a scale per 64
-    g = tl.arange(0, G)
-    j = tl.arange(0, 64)
-    codes = tl.load(data + row[:, None, None] * D + g[None, :, None] * 64 + j[None, None, :])
-    scale = tl.load(scales + row[:, None] * G + g[None, :])
-    return (bytes_to_f16(codes, USE_ASM) * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
+        tile = (levels * scale[:, :, None, None]).reshape(BLOCK_N, D).to(operand)
+    else:
+        G: tl.constexpr = D // 64  # int8 keys (and values): a scale per 64
+        g = tl.arange(0, G)
+        j = tl.arange(0, 64)
+        codes = tl.load(data + row[:, None, None] * D + g[None, :, None] * 64 + j[None, None, :])
+        scale = tl.load(scales + row[:, None] * G + g[None, :])
+        tile = (bytes_to_f16(codes, USE_ASM) * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
+    return tile
 
 
 @triton.jit

@@ -182,8 +182,11 @@ def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str, 
     argument: ``launch.attention_settings`` says how ``programs`` and ``sms``
     set it)."""
     s = attention_settings(t, group, n_slots, head_dim, programs, sms)
+    warps = s.num_warps
+    if t == 1 and fmt == "k8v4":  # its values' levels and regrouped halves take twice the registers per tile
+        warps = max(warps, min(8, s.block_m * head_dim // 512))
     return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=s.block_n,
-                             USE_ASM=True), s.num_warps), s.splits
+                             USE_ASM=True), warps), s.splits
 
 
 def merge_launch(head_dim: int) -> KernelLaunch:
@@ -303,7 +306,8 @@ def _weight_configs(dtypes) -> list[KernelConfig]:
 def _attention_configs(dtypes) -> list[KernelConfig]:
     out = []
     for fmt in KV_FORMATS:
-        for d in HEAD_DIMS:
+        # The quantized formats hold head dims of 64 and up (kv_store: a scale per 64 values).
+        for d in (HEAD_DIMS if fmt == "f16" else [h for h in HEAD_DIMS if h >= 64]):
             for dt in dtypes:
                 # (A rotated store's queries arrive in float32 whatever the
                 # activations: the fp32 configurations cover them.)

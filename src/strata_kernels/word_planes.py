@@ -36,7 +36,7 @@ and its sub-block scales.
 
 A weight is then ``d * scale * code - dmin * min`` (Q4_K, Q5_K),
 ``d * scale * (code - 32)`` (Q6_K), ``d * scale * kvalues[code]`` (IQ4_XS).
-Bytes: Q8_0 and Q4_0 as their blocks; the superblock types at most 3% more
+Bytes: Q8_0 and Q4_0 as their blocks; Q4_K, Q5_K, Q6_K at most 3% more, IQ4_XS 9%
 (a 16-bit sub word per 32 weights where the blocks pack 12 bits).
 """
 

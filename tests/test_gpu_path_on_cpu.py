@@ -24,15 +24,20 @@ import strata_runtime
 SHAPE = Shape(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=False)
 
 
+VERIFY = 4  # tokens fed at once after the decode steps, as a speculative verify does: the 2-8 row GEMV
+
+
 def _teacher_forced(engine, ids: list[int], next_ids: list[int]) -> list[torch.Tensor]:
-    """Logits after the prompt ``ids``, then after each of ``next_ids`` fed as a decode step."""
-    from strata_runtime.models.generation import decode_step, prefill
+    """Logits after the prompt ``ids``, then after each of ``next_ids`` fed as
+    a decode step but the last ``VERIFY``, then after each of those, fed at once."""
+    from strata_runtime.models.generation import decode_step, forward_chunks, prefill
 
     cache = engine.new_cache(len(ids) + len(next_ids) + 1)
     with torch.inference_mode():
         out = [prefill(engine.model, cache, ids).float()]
-        for token in next_ids:
+        for token in next_ids[:-VERIFY]:
             out.append(decode_step(engine.model, cache, token).float())
+        out.extend(forward_chunks(engine.model, cache, next_ids[-VERIFY:], last_only=False).float())
     return out
 
 
@@ -61,11 +66,12 @@ def test_the_gpu_word_path_matches_the_exact_path(tmp_path, monkeypatch, qtype):
     from strata_runtime.models.layers import Linear
 
     path = write_tiny_model(tmp_path / "llama.gguf", "llama", SHAPE, 5, qtype)
-    gpu_path, got, expected = _both_paths(monkeypatch, path, 6)
+    gpu_path, got, expected = _both_paths(monkeypatch, path, 6 + VERIFY)
     linears = [m for m in gpu_path.model.modules() if isinstance(m, Linear)]
     assert sum(m.planes is not None for m in linears) == 7 * SHAPE.layers + 1  # q k v o gate up down, the head
     assert all(m.qweight is None for m in linears if m.planes is not None)  # the blocks are not kept
-    # The prompt's projections take the planes dequantized (exact); the head, on the last row only, the GEMV.
+    # The prompt's projections take the planes dequantized (exact); the head, on the last row only, the GEMV;
+    # the verify's four rows the tensor-core GEMV, head included.
     _assert_agree(got, expected)
 
 
@@ -82,7 +88,7 @@ def test_a_mixture_of_experts_on_the_gpu_word_path_matches_the_exact_path(tmp_pa
     from strata_runtime.models.moe import MoEFeedForward
 
     path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", shape, 3, qtype)
-    gpu_path, got, expected = _both_paths(monkeypatch, path, 4)
+    gpu_path, got, expected = _both_paths(monkeypatch, path, 4 + VERIFY)
     moes = [m for m in gpu_path.model.modules() if isinstance(m, MoEFeedForward)]
     assert len(moes) == shape.layers and all(set(m.planes) == {"gate", "up", "down"} and m.up_exps is None
                                              for m in moes)
@@ -110,9 +116,9 @@ def _random_weight(qtype, rows: int, cols: int, seed: int):
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 12])
 def test_projections_share_x_by_path_and_pairing(rows):
-    """q/k/v-like projections of mixed types read one x: at 2-8 rows the
-    tensor-core GEMV (Q4_K, Q8_0) and the word GEMV (Q6_K) each prepare it
-    once for their own weights, and every output equals its layer alone."""
+    """q/k/v-like projections of mixed types read one x: at one row the word
+    GEMV prepares it once per pairing (Q4_K with Q6_K, Q8_0 its own), at 2-8
+    the tensor-core GEMV once for all; every output equals its layer alone."""
     from strata_kernels import dequantize
     from strata_runtime.files import Backend
     from strata_runtime.models.layers import Linear, Projections

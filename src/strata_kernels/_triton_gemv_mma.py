@@ -4,21 +4,39 @@ on the tensor cores (imported only when the Triton backend runs).
 At one row the word GEMV's ``dp2a`` products cost about as much as the
 weights' loads; at eight they cost eight times as much (300-600 instructions
 a KiB of weights on sm_90, where the memory allows about 128). Here the
-weights become float16 in registers instead, a word of codes at a time (the
-1024-offset trick: a code as a float16 mantissa under a fixed exponent, the
-offset subtracted exactly), are scaled per block, and multiply x on the
-tensor cores, x padded to 16 rows: the products cost one ``mma`` a 16 x 16
-tile, and the weights' conversion about 1.5 instructions a weight.
+weights become float16 in registers instead and multiply x on the tensor
+cores, x padded to 16 rows: the products cost one ``mma`` a 16 x 16 tile.
+
+The conversion is what remains, so it is cut to the bone. A word of codes
+becomes float16 pairs by masking the codes into the mantissa under a fixed
+exponent (a mask and an or: 1024 + code for a low nibble, 64 + code for a
+high one left where it sits, bits 4-7), about two instructions a pair (the
+compiler moves one constant into a register for each ``lop3``; offered as
+an operand, a constant keeps Triton from making the tiles in the tensor
+cores' layout, a dearer trip through shared memory); a single ``fma`` per
+pair then scales it and takes the exponent's offset away exactly (``code x
+s`` rounded once: ``1024 s`` and ``64 s`` are exact). Every other offset of
+a type (Q4_0's 8, Q4_K's min, Q6_K's 32, IQ4's +128 that makes its codebook
+unsigned) is not applied per weight: it is one more column of the weight
+tile per 16 weights, ``-offset``, against a row of x's sums over those 16
+(``xsums``), a sixteenth more tensor-core work. Q5_K and Q6_K merge their
+high words into the same masks; IQ4_XS looks its codebook up by ``prmt``.
+Q8_0 converts each signed byte exactly and multiplies by its scale.
+
+Within a word the pairs come out in the order the masks give (bytes 0 and 2,
+then 1 and 3; IQ4 a byte's two nibbles together), so x's rows are read in
+that order (``_weight_order``): the products meet the right weights.
 
 x is prepared once per call: each row scaled by its largest magnitude into
-[-1, 1] and rounded to float16 (11 bits: the tensor cores' operand), laid out
-``[K, 16]`` (column ``m`` is row ``m``), the scales kept to multiply the
-output. Types: Q8_0 (KIND 0), Q4_0 (1), Q4_K (2); the others stay on the word
-GEMV (their high bits and codebooks are not converted here yet).
+[-1, 1] and rounded to float16 (the tensor cores' operand), laid out ``[K,
+16]``: column ``m`` is row ``m``, column ``8 + m`` the residual of its rounding
+(the tile's spare columns carry x to about 22 bits at no cost), with each
+column's sums over each 16 values, and the scales kept for the output.
 
 ``USE_ASM`` picks the conversions through inline PTX, or plain Triton
-conversions of the same values, which the interpreter runs: equal, as the
-conversions are exact.
+computing the same float16 values, which the interpreter runs: equal.
+Exactness needs ``1024 s`` within float16 (``WordPlanes.fits_mma``: every
+block scale below 64); ``qmatmul.gemv_path`` takes the word GEMV otherwise.
 """
 
 from __future__ import annotations
@@ -28,112 +46,340 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from ._triton_convert import bytes_to_f16, nibbles_to_f16
+from ._triton_convert import bytes_to_f16
+from .formats import lookup_table
 from .launch import split_k
 from .launch_plans import MMA_KINDS, gemv_mma_launch
 from .word_planes import BLOCK, WordPlanes
 
-X_ROWS = 16  # x padded to the tensor cores' smallest tile
+X_ROWS = 16  # the tensor cores' smallest tile: x's 8 rows in float16 (columns 0-7) and their residuals (8-15)
+MAX_ROWS = 8
+
+# The operands: $4 a word of code bytes (Q4_0 order); Q5_K, Q6_K: $5 the chunk's high word shifted right by
+# the word's index (Q6_K: twice it; $9 its second high word, shifted alike). Out: the low nibbles of bytes
+# 0, 2 | 1, 3 as float16 1024 + code ($0, $1), the high ones as 64 + code ($2, $3).
+_NIBBLE_PAIRS = """{
+    .reg .b32 s;
+    shr.b32 s, $4, 8;
+    and.b32 $0, $4, 0x000F000F;
+    and.b32 $1, s, 0x000F000F;
+    and.b32 $2, $4, 0x00F000F0;
+    and.b32 $3, s, 0x00F000F0;
+    or.b32 $0, $0, 0x64006400;
+    or.b32 $1, $1, 0x64006400;
+    or.b32 $2, $2, 0x54005400;
+    or.b32 $3, $3, 0x54005400;
+    }"""
+# Q5_K: the fifth bit of the low nibble of byte j sits at bit 8j of $5, of the high one at 8j + 4: the
+# masks pick them once moved to bit 4 (8) of their float16.
+_Q5_PAIRS = """{
+    .reg .b32 s, t, u, a;
+    shr.b32 s, $4, 8;
+    shl.b32 t, $5, 4;
+    shr.b32 u, $5, 4;
+    and.b32 a, t, 0x00100010;
+    or.b32 a, a, 0x64006400;
+    and.b32 $0, $4, 0x000F000F;
+    or.b32 $0, $0, a;
+    and.b32 a, u, 0x00100010;
+    or.b32 a, a, 0x64006400;
+    and.b32 $1, s, 0x000F000F;
+    or.b32 $1, $1, a;
+    and.b32 a, t, 0x01000100;
+    or.b32 a, a, 0x54005400;
+    and.b32 $2, $4, 0x00F000F0;
+    or.b32 $2, $2, a;
+    and.b32 a, u, 0x01000100;
+    or.b32 a, a, 0x54005400;
+    and.b32 $3, s, 0x00F000F0;
+    or.b32 $3, $3, a;
+    }"""
+# Q6_K: a weight's two high bits sit at bits 8j, 8j + 1 of $5 (first half) or $9 (second); the masks pick
+# them at bits 4-5 (8-9); their top bit is stored flipped: the xor (0x0020, 0x0200 beside the exponent)
+# flips it back.
+_Q6_PAIRS = """{
+    .reg .b32 s, t, u, a;
+    shr.b32 s, $4, 8;
+    shl.b32 t, $5, 4;
+    shr.b32 u, $5, 4;
+    and.b32 a, t, 0x00300030;
+    xor.b32 a, a, 0x64206420;
+    and.b32 $0, $4, 0x000F000F;
+    or.b32 $0, $0, a;
+    and.b32 a, u, 0x00300030;
+    xor.b32 a, a, 0x64206420;
+    and.b32 $1, s, 0x000F000F;
+    or.b32 $1, $1, a;
+    shl.b32 t, $9, 8;
+    and.b32 a, t, 0x03000300;
+    xor.b32 a, a, 0x56005600;
+    and.b32 $2, $4, 0x00F000F0;
+    or.b32 $2, $2, a;
+    and.b32 a, $9, 0x03000300;
+    xor.b32 a, a, 0x56005600;
+    and.b32 $3, s, 0x00F000F0;
+    or.b32 $3, $3, a;
+    }"""
+# IQ4_XS: 8 nibble indices -> their codebook values + 128 (unsigned bytes) by prmt, a byte's two nibbles
+# together ($0: byte 0's low and high nibble, $1: byte 1's; $2, $3: bytes 2 and 3), as 1024 + value.
+# bank0 and bank1 hold the first four bytes of each 8-value bank (the other four are immediates).
+_IQ4_PAIRS = """{
+    .reg .b32 index, bank, lo, hi, a, b, bank0, bank1;
+    mov.b32 bank0, 0x3F2D1801;
+    mov.b32 bank1, 0xA6998D81;
+    and.b32 index, $4, 0x77777777;
+    shr.b32 bank, $4, 1;
+    and.b32 bank, bank, 0x44444444;
+    or.b32 bank, bank, 0x32103210;
+    prmt.b32 lo, bank0, 0x766A5D4F, index;
+    prmt.b32 hi, bank1, 0xF1D9C5B5, index;
+    prmt.b32 a, lo, hi, bank;
+    shr.b32 index, index, 16;
+    shr.b32 bank, bank, 16;
+    prmt.b32 lo, bank0, 0x766A5D4F, index;
+    prmt.b32 hi, bank1, 0xF1D9C5B5, index;
+    prmt.b32 b, lo, hi, bank;
+    prmt.b32 $0, a, 0x64646464, 0x5140;
+    prmt.b32 $1, a, 0x64646464, 0x7362;
+    prmt.b32 $2, b, 0x64646464, 0x5140;
+    prmt.b32 $3, b, 0x64646464, 0x7362;
+    }"""
+NIBBLE_PAIRS = tl.constexpr(_NIBBLE_PAIRS)
+Q5_PAIRS = tl.constexpr(_Q5_PAIRS)
+Q6_PAIRS = tl.constexpr(_Q6_PAIRS)
+IQ4_PAIRS = tl.constexpr(_IQ4_PAIRS)
+
+
+@triton.jit
+def _weight_order(i, TILE: tl.constexpr, KIND: tl.constexpr):
+    """The weight of its chunk (0..31) that position ``i`` (0..15) of tile
+    ``TILE`` holds: the order the conversion's pairs come out in."""
+    w = i // 4
+    e = i % 4
+    if KIND == 0:  # Q8_0: the chunk's first and second 16 bytes as they are
+        return i + 16 * TILE
+    if KIND == 5:  # IQ4: a byte's two nibbles together, bytes 0, 1 of a word in tile 0, bytes 2, 3 in tile 1
+        return 4 * w + 2 * TILE + e // 2 + 16 * (e % 2)
+    return 4 * w + (e % 2) * 2 + e // 2 + 16 * TILE  # bytes 0, 2, 1, 3 of each word; tile 1 the high nibbles
+
+
+@triton.jit
+def _plain_tile(quants, q_at, h_at, high_words, codebook, i, TILE: tl.constexpr, KIND: tl.constexpr):
+    """What the inline PTX makes of tile ``TILE``, in plain Triton (the
+    interpreter's form): each position's float16 1024 + code (tile 1 of the
+    nibble types 64 + code; Q8_0 the signed code itself)."""
+    wi = _weight_order(i, TILE, KIND)
+    if KIND == 0:
+        return tl.load(quants + q_at + wi[None, None, :]).to(tl.float16)
+    half = wi // 16
+    w = (wi % 16) // 4
+    j = wi % 4
+    code = (tl.load(quants + q_at + (wi % 16)[None, None, :]).to(tl.int32) >> (4 * half)) & 15
+    if KIND == 3:  # Q5_K: bit w (4 + w) of high byte j above weight 4w + j (16 + 4w + j)
+        h = tl.load(high_words + h_at)[:, :, None]
+        code |= ((h >> (8 * j + w + 4 * half)) & 1) << 4
+    elif KIND == 4:  # Q6_K: bits 2w, 2w + 1 of byte j of the half's high word, the top one flipped
+        h = tl.load(high_words + h_at[:, :, None] + half[None, None, :])
+        code |= (((h >> (8 * j + 2 * w)) & 3) ^ 2) << 4
+    elif KIND == 5:
+        code = tl.load(codebook + code)
+    base = 64 if (TILE == 1 and KIND <= 4) else 1024
+    return (code + base).to(tl.float16)
+
+
+@triton.jit
+def _asm_tiles(q, hs0, hs1, KIND: tl.constexpr):
+    """Both tiles of a nibble type from its code bytes ``q`` (uint8, four to
+    a register) and the shifted high words (int32, the same for a word's
+    four bytes): the PTX above. (Only operands that are loaded with ``q`` or
+    are constants: another, a kernel argument say, keeps Triton from making
+    the tiles in the tensor cores' layout, and they round-trip through
+    shared memory.)"""
+    if KIND == 5:
+        return tl.inline_asm_elementwise(IQ4_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    if KIND == 4:
+        return tl.inline_asm_elementwise(Q6_PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [q, hs0, hs1],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    if KIND == 3:
+        return tl.inline_asm_elementwise(Q5_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [q, hs0], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(NIBBLE_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _block_scales(scales, sub, supers, b, n_safe, N, KIND: tl.constexpr):
+    """Each (row, block)'s float16 scale of its first and second 16 weights
+    and the offset of each half (``weight = s * code - offset``; IQ4's codes
+    carry +128)."""
+    if KIND <= 1:
+        d = tl.load(scales + b[None, :] * N + n_safe[:, None])
+        off = d * 8.0 if KIND == 1 else d * 0.0
+        return d, d, off, off
+    s = tl.load(sub + b[None, :] * N + n_safe[:, None]).to(tl.int32)
+    sup = tl.load(supers + (b // 8)[None, :] * N + n_safe[:, None])
+    d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if KIND == 4:  # Q6_K: a signed scale per 16 weights; codes carry +32
+        s0 = (d * ((s << 24) >> 24).to(tl.float32)).to(tl.float16)
+        s1 = (d * (s >> 8).to(tl.float32)).to(tl.float16)
+        return s0, s1, s0 * 32.0, s1 * 32.0
+    if KIND == 5:  # IQ4_XS: a signed scale per 32; the codebook's values carry +128
+        s0 = (d * s.to(tl.float32)).to(tl.float16)
+        return s0, s0, s0 * 128.0, s0 * 128.0
+    dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    s0 = (d * (s & 0xFF).to(tl.float32)).to(tl.float16)
+    off = (dmin * ((s >> 8) & 0xFF).to(tl.float32)).to(tl.float16)
+    return s0, s0, off, off
 
 
 @triton.jit
 def _gemv_mma_kernel(
-    xt, xscale, quants, scales, sub, supers, out, M, N, KB, blocks_per_split,
+    xt, xscale, xsums, quants, high_words, scales, sub, supers, codebook, out, M, N, KB, blocks_per_split,
     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    # xt:      float16 [K, 16]: x's rows scaled into [-1, 1], column m row m (zeros past M); xscale
-    #          float32 [16] their scales
+    # xt:      float16 [K, 16]: x's rows scaled into [-1, 1], column m row m, column 8 + m its rounding's
+    #          residual (zeros past M); xscale float32 [8] the scales; xsums float16 [K / 16, 16]: xt's
+    #          sums over each 16 rows
     # quants:  the planes' codes as bytes, [N, K] (Q8_0: int8) or [N, K / 2] (uint8, Q4_0 order)
-    # scales:  float16 [KB, N] (Q8_0, Q4_0); sub int16 [KB, N] and supers int32 [KB / 8, N] (Q4_K)
+    # high_words: int32 Q5_K [N, KB], Q6_K [N, 2 KB]; codebook int32 [16] IQ4's values + 128 (plain form)
+    # scales:  float16 [KB, N] (Q8_0, Q4_0); sub int16 [KB, N] and supers int32 [KB / 8, N] (others)
     # out:     float32 [splits, M, N]; grid (cdiv(N, BLOCK_N), splits): rows pn*BLOCK_N.. over blocks
-    #          ps*blocks_per_split.. of 32 weights, BLOCK_B at a time: each block's weights 0..15 (the
-    #          low nibbles) and 16..31 (the high) as two [BLOCK_N, BLOCK_B * 16] float16 tiles, each
-    #          times the matching 16-row slices of x
+    #          ps*blocks_per_split.. of 32 weights, BLOCK_B at a time: two [BLOCK_N, BLOCK_B * 16] float16
+    #          tiles (each block's 32 weights in two sixteens, in _weight_order), each times its rows of x,
+    #          and (but Q8_0) the offsets' tile [BLOCK_N, 2 * BLOCK_B] times x's sums
+    # Offsets within a program are int32 from its first row's, computed once; an iteration adds its start.
     pn = tl.program_id(0)
     ps = tl.program_id(1)
-    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    BYTES: tl.constexpr = 32 if KIND == 0 else 16  # code bytes a block
+    HIGH: tl.constexpr = 1 if KIND == 3 else 2 if KIND == 4 else 0  # high words a block
+    local = tl.arange(0, BLOCK_N)
+    n = pn * BLOCK_N + local
     n_in = n < N
-    n_safe = tl.where(n_in, n, 0)
+    local = tl.where(n_in, local, 0)
+    n_safe = pn * BLOCK_N + local
+    quants += (pn * BLOCK_N).to(tl.int64) * (KB * BYTES)
+    high_words += (pn * BLOCK_N).to(tl.int64) * (KB * HIGH)
     i = tl.arange(0, 16)
     bb = tl.arange(0, BLOCK_B)
     k = tl.arange(0, BLOCK_B * 16)
     m = tl.arange(0, 16)
+    q_at = local[:, None, None] * (KB * BYTES) + bb[None, :, None] * BYTES
+    h_at = local[:, None] * (KB * HIGH) + bb[None, :] * HIGH
+    x0_at = ((k // 16) * 32 + _weight_order(k % 16, 0, KIND))[:, None] * 16 + m[None, :]
+    x1_at = ((k // 16) * 32 + _weight_order(k % 16, 1, KIND))[:, None] * 16 + m[None, :]
+    sums_at = tl.arange(0, 2 * BLOCK_B)[:, None] * 16 + m[None, :]
     b_start = ps * blocks_per_split
     b_stop = tl.minimum(b_start + blocks_per_split, KB)
     acc = tl.zeros((BLOCK_N, 16), tl.float32)
     for b0 in range(b_start, b_stop, BLOCK_B):
-        b = b0 + bb
+        s0, s1, off0, off1 = _block_scales(scales, sub, supers, b0 + bb, n_safe, N, KIND)
+        at = q_at + b0 * BYTES
         if KIND == 0:
-            at = n_safe[:, None, None].to(tl.int64) * (KB * 32) + b[None, :, None] * 32 + i[None, None, :]
-            low = bytes_to_f16(tl.load(quants + at), USE_ASM)
-            high = bytes_to_f16(tl.load(quants + at + 16), USE_ASM)
+            if USE_ASM:
+                t0 = bytes_to_f16(tl.load(quants + at + i[None, None, :]), True)
+                t1 = bytes_to_f16(tl.load(quants + at + 16 + i[None, None, :]), True)
+            else:
+                t0 = _plain_tile(quants, at, 0, high_words, codebook, i, 0, KIND)
+                t1 = _plain_tile(quants, at, 0, high_words, codebook, i, 1, KIND)
+            t0 = t0 * s0[:, :, None]
+            t1 = t1 * s1[:, :, None]
         else:
-            at = n_safe[:, None, None].to(tl.int64) * (KB * 16) + b[None, :, None] * 16 + i[None, None, :]
-            low, high = nibbles_to_f16(tl.load(quants + at), 8 if KIND == 1 else 0, USE_ASM)
-        if KIND <= 1:
-            d = tl.load(scales + b[None, :] * N + n_safe[:, None])[:, :, None]
-            low = low * d
-            high = high * d
-        else:  # Q4_K: d x scale x code - dmin x min, the block's scale and min made once in float32
-            s = tl.load(sub + b[None, :] * N + n_safe[:, None]).to(tl.int32)
-            sup = tl.load(supers + (b // 8)[None, :] * N + n_safe[:, None])
-            d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            scale = (d * (s & 0xFF).to(tl.float32)).to(tl.float16)[:, :, None]
-            offset = (dmin * ((s >> 8) & 0xFF).to(tl.float32)).to(tl.float16)[:, :, None]
-            low = low * scale - offset
-            high = high * scale - offset
-        row = (b0 + k // 16) * 32 + k % 16  # x's rows for the low halves; the high ones are 16 further
-        x_low = tl.load(xt + row[:, None] * 16 + m[None, :])
-        x_high = tl.load(xt + (row + 16)[:, None] * 16 + m[None, :])
-        acc = tl.dot(low.reshape(BLOCK_N, BLOCK_B * 16), x_low, acc)
-        acc = tl.dot(high.reshape(BLOCK_N, BLOCK_B * 16), x_high, acc)
-    sx = tl.load(xscale + m)
-    tl.store(out + (ps * M + m[None, :]) * N + n[:, None], acc * sx[None, :], mask=n_in[:, None] & (m < M)[None, :])
+            h_now = h_at + b0 * HIGH
+            if USE_ASM:
+                q = tl.load(quants + at + i[None, None, :])
+                word = (i // 4)[None, None, :]
+                hs0 = tl.zeros_like(word)
+                hs1 = tl.zeros_like(word)
+                if KIND == 3:
+                    hs0 = tl.load(high_words + h_now)[:, :, None] >> word
+                elif KIND == 4:
+                    hs0 = tl.load(high_words + h_now)[:, :, None] >> (2 * word)
+                    hs1 = tl.load(high_words + h_now + 1)[:, :, None] >> (2 * word)
+                t0, t1 = _asm_tiles(q, hs0, hs1, KIND)
+            else:
+                t0 = _plain_tile(quants, at, h_now, high_words, codebook, i, 0, KIND)
+                t1 = _plain_tile(quants, at, h_now, high_words, codebook, i, 1, KIND)
+            # code x s exactly (one rounding): the exponent's 1024 (64) times s is exact
+            t0 = tl.fma(t0, s0[:, :, None], (s0 * -1024.0)[:, :, None])
+            if KIND == 5:
+                t1 = tl.fma(t1, s1[:, :, None], (s1 * -1024.0)[:, :, None])
+            else:
+                t1 = tl.fma(t1, s1[:, :, None], (s1 * -64.0)[:, :, None])
+        x0 = tl.load(xt + x0_at + b0 * (32 * 16))
+        x1 = tl.load(xt + x1_at + b0 * (32 * 16))
+        acc = tl.dot(t0.reshape(BLOCK_N, BLOCK_B * 16), x0, acc)
+        acc = tl.dot(t1.reshape(BLOCK_N, BLOCK_B * 16), x1, acc)
+        if KIND != 0:  # the offsets: -offset of each 16 weights against x's sum over them
+            offsets = tl.join(-off0, -off1).reshape(BLOCK_N, 2 * BLOCK_B)
+            acc = tl.dot(offsets, tl.load(xsums + sums_at + b0 * (2 * 16)), acc)
+    # column m + 8 holds the products with row m's residual: their sum is the row's
+    acc = tl.sum(acc.reshape(BLOCK_N, 2, 8), axis=1)
+    m8 = tl.arange(0, 8)
+    sx = tl.load(xscale + m8)
+    tl.store(out + (ps * M + m8[None, :]) * N + n[:, None], acc * sx[None, :], mask=n_in[:, None] & (m8 < M)[None, :])
 
 
-def prepare_mma(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x ``[M, K]`` (M <= 16) as the kernel reads it: ``[K, 16]`` float16 of
-    each row over its largest magnitude, and those magnitudes ``[16]``."""
+def prepare_mma(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` (M <= 8) as the kernel reads it: ``[K, 16]`` float16,
+    column ``m`` row ``m`` over its largest magnitude rounded to float16 and
+    column ``8 + m`` what that rounding left (the tensor cores' spare
+    columns: x to about 22 bits, for nothing), the sums of each column over
+    each 16 values ``[K / 16, 16]`` (float16 of their float32 sums), and the
+    magnitudes ``[8]``."""
     m, k = x.shape
     xf = x.float()
     scale = xf.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    scaled = (xf / scale[:, None]).T
     xt = torch.zeros((k, X_ROWS), dtype=torch.float16, device=x.device)
-    xt[:, :m] = (xf / scale[:, None]).T.to(torch.float16)
-    scales = torch.zeros(X_ROWS, dtype=torch.float32, device=x.device)
+    xt[:, :m] = scaled.to(torch.float16)
+    xt[:, MAX_ROWS:MAX_ROWS + m] = (scaled - xt[:, :m].float()).to(torch.float16)
+    sums = xt.float().view(k // 16, 16, X_ROWS).sum(dim=1).to(torch.float16)
+    scales = torch.zeros(MAX_ROWS, dtype=torch.float32, device=x.device)
     scales[:m] = scale
-    return xt, scales
+    return xt, scales, sums
 
 
-def gemv_mma(x: torch.Tensor, planes: WordPlanes, prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
+_CODEBOOKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _codebook(device: torch.device) -> torch.Tensor:
+    """IQ4's codebook + 128 as int32 (what the plain form looks up)."""
+    if device not in _CODEBOOKS:
+        _CODEBOOKS[device] = (lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous()
+    return _CODEBOOKS[device]
+
+
+def gemv_mma(x: torch.Tensor, planes: WordPlanes, prepared: tuple | None = None,
              splits: int | None = None, use_asm: bool | None = None) -> torch.Tensor:
-    """``x @ W.T`` for ``x`` ``[M, K]`` (2 <= M <= 8 the intended rows; any
-    M <= 16 works), in ``x``'s dtype."""
+    """``x @ W.T`` for ``x`` ``[M, K]`` (2 <= M <= 8 the intended rows; one
+    works), in ``x``'s dtype."""
     m, k = x.shape
     if planes.qtype not in MMA_KINDS:
         raise ValueError(f"{planes.qtype.name} has no tensor-core GEMV; types with one: "
                          f"{', '.join(t.name for t in MMA_KINDS)}")
-    if k != planes.cols or m > X_ROWS:
-        raise ValueError(f"x must be [M <= {X_ROWS}, {planes.cols}], got {tuple(x.shape)}")
+    if k != planes.cols or m > MAX_ROWS:
+        raise ValueError(f"x must be [M <= {MAX_ROWS}, {planes.cols}], got {tuple(x.shape)}")
     launch = gemv_mma_launch(int(planes.qtype))
     block_n, block_b = launch.constexprs["BLOCK_N"], launch.constexprs["BLOCK_B"]
     kb = k // BLOCK
-    xt, xscale = prepared if prepared is not None else prepare_mma(x)
+    if kb % block_b:
+        raise ValueError(f"{kb} blocks of 32 a row are not whole tiles of {block_b}")
+    xt, xscale, xsums = prepared if prepared is not None else prepare_mma(x)
     n_tiles = triton.cdiv(planes.rows, block_n)
     if splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         splits = split_k(n_tiles, kb, block_b, sms)
     per_split = triton.cdiv(triton.cdiv(kb, splits), block_b) * block_b
     splits = triton.cdiv(kb, per_split)
-    if kb % block_b:
-        raise ValueError(f"{kb} blocks of 32 a row are not whole tiles of {block_b}")
     out = torch.empty((splits, m, planes.rows), dtype=torch.float32, device=x.device)
     codes = planes.quants.view(torch.int8 if planes.qtype == T.Q8_0 else torch.uint8)
     empty = planes.quants
     _gemv_mma_kernel[(n_tiles, splits)](
-        xt, xscale, codes, planes.scales if planes.scales is not None else empty,
+        xt, xscale, xsums, codes, planes.high if planes.high is not None else empty,
+        planes.scales if planes.scales is not None else empty,
         planes.sub if planes.sub is not None else empty, planes.supers if planes.supers is not None else empty,
-        out, m, planes.rows, kb, per_split,
+        _codebook(x.device), out, m, planes.rows, kb, per_split,
         **{**launch.constexprs, "USE_ASM": x.is_cuda if use_asm is None else use_asm}, num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     return out.sum(dim=0).to(x.dtype)

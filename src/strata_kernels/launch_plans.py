@@ -128,7 +128,7 @@ def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
 
 
 # The tensor-core GEMV (_triton_gemv_mma) for a decode step's 2-8 rows: its KIND per type.
-MMA_KINDS = {T.Q8_0: 0, T.Q4_0: 1, T.Q4_K: 2}
+MMA_KINDS = {T.Q8_0: 0, T.Q4_0: 1, **WORD_KINDS}
 
 
 def gemv_mma_launch(qtype: int) -> KernelLaunch:
@@ -142,10 +142,11 @@ def gemv_mma_launch(qtype: int) -> KernelLaunch:
 
 def gemv_mma_config(qtype: int) -> KernelConfig:
     launch = gemv_mma_launch(qtype)
-    superblocks = T(qtype) == T.Q4_K
-    pointers = {"xt": "*fp16", "xscale": "*fp32", "quants": "*i8" if T(qtype) == T.Q8_0 else "*u8",
+    superblocks = T(qtype) in WORD_KINDS
+    pointers = {"xt": "*fp16", "xscale": "*fp32", "xsums": "*fp16",
+                "quants": "*i8" if T(qtype) == T.Q8_0 else "*u8", "high_words": "*i32",
                 "scales": "*i32" if superblocks else "*fp16", "sub": "*i16" if superblocks else "*i32",
-                "supers": "*i32", "out": "*fp32"}
+                "supers": "*i32", "codebook": "*i32", "out": "*fp32"}
     return _config("_triton_gemv_mma", "_gemv_mma_kernel", _label(f"{T(qtype).name} mma", launch, "f16"), launch,
                    pointers, decode=True)
 

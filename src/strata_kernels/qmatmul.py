@@ -17,7 +17,9 @@ from .quant_tensor import QuantTensor
 from .word_planes import WordPlanes, dequantize_planes, pairing_of
 
 # The types the tensor cores' GEMV converts (launch_plans.MMA_KINDS; here without importing triton).
-MMA_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K)
+MMA_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
+# The tensor-core GEMV's K step (launch_plans.gemv_mma_launch: 8 blocks of 32): other widths take the word GEMV.
+MMA_COLS = 256
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,12 +52,15 @@ def qmatmul(x: torch.Tensor, qt: QuantTensor, backend: str = "auto") -> torch.Te
 def gemv_path(rows: int, planes: WordPlanes) -> str:
     """Which kernel multiplies ``rows`` rows of x by ``planes``: ``"words"``
     (the word GEMV: one row, and the types the tensor cores' GEMV does not
-    convert), ``"mma"`` (2 to 8 rows of Q8_0, Q4_0, Q4_K) or ``"dense"`` (a
-    prompt: the planes dequantized and a dense matmul). Weights whose x is
+    convert), ``"mma"`` (2 to 8 rows, on the tensor cores, where the weight's
+    scales fit: ``WordPlanes.fits_mma``) or ``"dense"`` (a prompt: the planes
+    dequantized and a dense matmul). Weights whose x is
     prepared alike (the same path and, for ``"words"``, pairing) share it."""
     if rows > GEMV_MAX_M:
         return "dense"
-    return "mma" if rows > 1 and planes.qtype in MMA_TYPES else "words"
+    if rows > 1 and planes.qtype in MMA_TYPES and planes.cols % MMA_COLS == 0 and planes.fits_mma:
+        return "mma"
+    return "words"
 
 
 def preparation_key(rows: int, planes: WordPlanes) -> str:

@@ -43,6 +43,7 @@ Bytes: Q8_0 and Q4_0 as their blocks; Q4_K, Q5_K, Q6_K at most 3% more, IQ4_XS 9
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from gguf import GGMLQuantizationType as T
@@ -134,6 +135,13 @@ class WordPlanes:
     def device(self) -> torch.device:
         return self.quants.device
 
+    @cached_property
+    def fits_mma(self) -> bool:
+        """Whether every block scale is below 64, so that 1024 times it is a
+        float16 (what the tensor-core GEMV's exact conversion needs; real
+        weights' scales are far smaller). Computed once, on first use."""
+        return bool(block_scales(self).abs().max() < 64) if self.cols else True
+
     def select_rows(self, index: torch.Tensor) -> WordPlanes:
         """The planes of rows ``index`` alone (a copy: one expert's matrix of
         a mixture's, the rows a lookup asks for)."""
@@ -211,6 +219,21 @@ def _codes(planes: WordPlanes) -> torch.Tensor:
         six = nib | ((((byte >> shifts) & 3) << 4).reshape(rows, chunks, 32))  # two's complement of code - 32
         nib = six - ((six & 0x20) << 1)
     return nib
+
+
+def block_scales(planes: WordPlanes) -> torch.Tensor:
+    """float32 ``[rows, cols / 16]``: the scale of each 16 weights, as the
+    tensor-core GEMV rounds it to float16 (``d x`` the integer scale)."""
+    if planes.scales is not None:
+        return planes.scales.t().float().repeat_interleave(2, dim=1)
+    sub = planes.sub.t().int()
+    d = (planes.supers.t() & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(
+        SUPER // BLOCK, dim=1)
+    if planes.qtype == T.Q6_K:
+        scale = torch.stack([(sub << 24) >> 24, sub >> 8], dim=-1).flatten(1)
+        return (d.repeat_interleave(2, dim=1) * scale.float()).half().float()
+    integer = sub if planes.qtype == T.IQ4_XS else sub & 0xFF
+    return (d * integer.float()).half().float().repeat_interleave(2, dim=1)
 
 
 def dequantize_planes(planes: WordPlanes) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""The tensor-core GEMV's inline PTX conversions, run on this CPU by a small
+interpreter of the instructions they use (``and``, ``or``, ``xor``, ``shl``,
+``shr``, ``mov``, ``prmt``), against the codes the word planes hold: each
+conversion puts every weight of a word where ``_weight_order`` (what the
+plain Triton form and x's rows follow) says it is, as 1024 + code (64 +
+code for a nibble type's high tile). Without a GPU this is what checks the
+PTX strings themselves; the GPU-marked test compares the compiled kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as T
+
+from strata_kernels._triton_gemv_mma import _weight_order
+from strata_kernels.formats import lookup_table
+from strata_kernels.word_planes import WordPlanes, _codes
+
+from helpers import random_quant_tensor
+from test_gemv_words import _blocks_for
+
+MASK = np.uint64(0xFFFFFFFF)
+
+
+def _value(token: str, regs: dict) -> np.ndarray:
+    token = token.strip()
+    if token in regs:
+        return regs[token]
+    return np.uint64(int(token, 0) & 0xFFFFFFFF)
+
+
+def _prmt(a, b, sel):
+    """PTX prmt.b32, default mode: result byte k is byte (sel nibble k & 7)
+    of b:a, or that byte's sign replicated where the nibble's bit 3 is set."""
+    both = (a & MASK) | ((b & MASK) << np.uint64(32))
+    out = np.zeros(np.broadcast(a, b, sel).shape, dtype=np.uint64)
+    for k in range(4):
+        nibble = (sel >> np.uint64(4 * k)) & np.uint64(15)
+        byte = (both >> (np.uint64(8) * (nibble & np.uint64(7)))) & np.uint64(0xFF)
+        byte = np.where(nibble & np.uint64(8), np.where(byte & np.uint64(0x80), 0xFF, 0), byte).astype(np.uint64)
+        out |= byte << np.uint64(8 * k)
+    return out
+
+
+def run_ptx(text: str, operands: dict[int, np.ndarray], outputs: int) -> list[np.ndarray]:
+    """Run ``text`` (an ``inline_asm_elementwise`` body) on uint32 arrays:
+    ``operands`` maps $N to its values; returns $0..$(outputs - 1)."""
+    regs = {f"${n}": np.asarray(v, dtype=np.uint64) & MASK for n, v in operands.items()}
+    for line in text.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [s.strip() for s in args.split(",")]
+        v = [_value(s, regs) for s in src]
+        name = op.split(".")[0]
+        if name == "and":
+            r = v[0] & v[1]
+        elif name == "or":
+            r = v[0] | v[1]
+        elif name == "xor":
+            r = v[0] ^ v[1]
+        elif name == "shl":
+            r = (v[0] << v[1]) & MASK
+        elif name == "shr":
+            assert op in ("shr.b32", "shr.u32"), op  # logical shifts only
+            r = v[0] >> v[1]
+        elif name == "mov":
+            r = v[0] + np.zeros_like(v[0])
+        elif name == "prmt":
+            r = _prmt(v[0], v[1], v[2])
+        else:
+            raise AssertionError(f"no interpreter for {op}")
+        regs[dst] = np.asarray(r, dtype=np.uint64) & MASK
+    return [regs[f"${n}"] for n in range(outputs)]
+
+
+def _as_float16_pairs(words: np.ndarray) -> np.ndarray:
+    """[..., 2] float values of uint32 words holding two float16 (low half first)."""
+    return words.astype(np.uint32).view(np.float16).reshape(*words.shape, 2).astype(np.float64)
+
+
+@triton.jit
+def _orders_kernel(out, KIND: tl.constexpr):
+    i = tl.arange(0, 16)
+    tl.store(out + i, _weight_order(i, 0, KIND))
+    tl.store(out + 16 + i, _weight_order(i, 1, KIND))
+
+
+def _weight_orders(kind: int) -> np.ndarray:
+    """``_weight_order`` for tiles 0 and 1 of ``kind`` (run by Triton: the
+    interpreter here, the GPU where there is one): [2, 16]."""
+    out = torch.zeros(32, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    _orders_kernel[(1,)](out, KIND=kind)
+    return out.view(2, 16).cpu().numpy()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_each_conversion_puts_every_weight_where_the_plain_form_reads_it(qtype):
+    from strata_kernels import _triton_gemv_mma as mma
+    from strata_kernels.launch_plans import MMA_KINDS
+
+    kind = MMA_KINDS[qtype]
+    text = {1: mma._NIBBLE_PAIRS, 2: mma._NIBBLE_PAIRS, 3: mma._Q5_PAIRS, 4: mma._Q6_PAIRS,
+            5: mma._IQ4_PAIRS}[kind]
+    planes = WordPlanes.of(random_quant_tensor(qtype, 6, _blocks_for(qtype, 512), seed=3))
+    codes = _codes(planes).numpy()  # [rows, chunks, 32]
+    if qtype == T.Q6_K:
+        codes = codes + 32
+    if qtype == T.IQ4_XS:
+        codes = lookup_table("iq4nl_values", torch.device("cpu")).round().long().numpy()[codes] + 128
+    rows, chunks = codes.shape[:2]
+    words = planes.quants.numpy().view(np.uint32).reshape(rows, chunks, 4).astype(np.uint64)
+    high = None if planes.high is None else planes.high.numpy().view(np.uint32).reshape(rows, chunks, -1)
+    order = _weight_orders(kind)
+    for w in range(4):
+        operands = {4: words[:, :, w]}
+        if qtype == T.Q5_K:
+            operands[5] = high[:, :, 0].astype(np.uint64) >> np.uint64(w)
+        if qtype == T.Q6_K:
+            operands[5] = high[:, :, 0].astype(np.uint64) >> np.uint64(2 * w)
+            operands[9] = high[:, :, 1].astype(np.uint64) >> np.uint64(2 * w)
+        out = run_ptx(text, operands, 4)
+        for tile in (0, 1):
+            got = np.concatenate([_as_float16_pairs(out[2 * tile]), _as_float16_pairs(out[2 * tile + 1])], axis=-1)
+            weights = order[tile, 4 * w:4 * w + 4]
+            base = 64 if (tile == 1 and qtype != T.IQ4_XS) else 1024
+            expected = base + codes[:, :, weights]
+            assert np.array_equal(got, expected), (qtype.name, w, tile)
+
+
+def test_the_interpreter_reads_prmt_as_ptx_defines_it():
+    """prmt's selectors: bytes of b:a by the low 3 bits, bit 3 the sign."""
+    a, b = np.uint64(0x33221100), np.uint64(0xF7665544)
+    assert _prmt(a, b, np.uint64(0x7531)) == 0xF7553311
+    assert _prmt(a, b, np.uint64(0x0F00)) == 0x00FF0000  # nibble 2 picks byte 7 (0xF7) with its sign
+    assert run_ptx("{ mov.b32 t, 0x64646464; prmt.b32 $0, $1, t, 0x5140; }", {1: np.uint64(0x0201)}, 1)[0] == 0x64026401

@@ -20,7 +20,7 @@ TYPES = list(WORD_TYPES)
 
 def _blocks_for(qtype, cols: int) -> int:
     """GGUF blocks a row of ``cols`` weights holds in ``qtype``."""
-    return cols // (256 if WORD_TYPES[qtype].superblocks else 32)
+    return cols // WORD_TYPES[qtype].block_weights
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -30,10 +30,10 @@ def test_the_word_layout_holds_the_blocks_weights_bit_for_bit(qtype):
     expected = torch.from_numpy(gguf_quants.dequantize(qt.data.numpy(), qtype)).reshape(5, -1)
     assert torch.equal(dequantize_planes(planes), expected)
     assert planes.nbytes == pytest.approx(bytes_per_weight(qtype) * 5 * 768)
-    if qtype in (T.Q8_0, T.Q4_0):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_1):
         assert planes.nbytes == qt.nbytes  # codes and scales, nothing added
-    else:  # a 16-bit sub-block word where the blocks pack 12 bits (IQ4_XS: 8), at most ~12% more
-        assert qt.nbytes < planes.nbytes <= 1.09 * qt.nbytes
+    else:  # a 16-bit sub-block word where the blocks pack 12 bits (IQ4_XS: 8; Q5_0: d twice), at most ~12% more
+        assert qt.nbytes < planes.nbytes <= 1.091 * qt.nbytes
     assert all(p.is_contiguous() and p.device == qt.device for p in planes.planes)
     assert planes.quants.shape == (5, 768 * planes.bits // 32)
 
@@ -174,7 +174,7 @@ def test_grouped_gemv_multiplies_each_run_by_its_own_expert(qtype):
         gemv_words_grouped(x, planes, experts, [(0, 0, 9)])
 
 
-MMA_TEST_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+MMA_TEST_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q4_1, T.Q5_0, T.Q5_1]
 
 
 @pytest.mark.parametrize("qtype", MMA_TEST_TYPES, ids=lambda t: t.name)

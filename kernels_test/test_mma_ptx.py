@@ -98,14 +98,15 @@ def _weight_orders(kind: int) -> np.ndarray:
     return out.view(2, 16).cpu().numpy()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q4_1, T.Q5_0, T.Q5_1],
+                         ids=lambda t: t.name)
 def test_each_conversion_puts_every_weight_where_the_plain_form_reads_it(qtype):
     from strata_kernels import _triton_gemv_mma as mma
     from strata_kernels.launch_plans import MMA_KINDS
 
     kind = MMA_KINDS[qtype]
     text = {1: mma._NIBBLE_PAIRS, 2: mma._NIBBLE_PAIRS, 3: mma._Q5_PAIRS, 4: mma._Q6_PAIRS,
-            5: mma._IQ4_PAIRS}[kind]
+            5: mma._IQ4_PAIRS, 6: mma._NIBBLE_PAIRS, 7: mma._Q5_PAIRS, 8: mma._Q5_PAIRS}[kind]
     planes = WordPlanes.of(random_quant_tensor(qtype, 6, _blocks_for(qtype, 512), seed=3))
     codes = _codes(planes).numpy()  # [rows, chunks, 32]
     if qtype == T.Q6_K:
@@ -118,7 +119,7 @@ def test_each_conversion_puts_every_weight_where_the_plain_form_reads_it(qtype):
     order = _weight_orders(kind)
     for w in range(4):
         operands = {4: words[:, :, w]}
-        if qtype == T.Q5_K:
+        if qtype in (T.Q5_K, T.Q5_0, T.Q5_1):
             operands[5] = high[:, :, 0].astype(np.uint64) >> np.uint64(w)
         if qtype == T.Q6_K:
             operands[5] = high[:, :, 0].astype(np.uint64) >> np.uint64(2 * w)

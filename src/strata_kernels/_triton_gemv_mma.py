@@ -19,7 +19,7 @@ s`` rounded once: ``1024 s`` and ``64 s`` are exact). Every other offset of
 a type (Q4_0's 8, Q4_K's min, Q6_K's 32, IQ4's +128 that makes its codebook
 unsigned) is not applied per weight: it is one more column of the weight
 tile per 16 weights, ``-offset``, against a row of x's sums over those 16
-(``xsums``), a sixteenth more tensor-core work. Q5_K and Q6_K merge their
+(``xsums``), a sixteenth more tensor-core work. Q5_K, Q5_0, Q5_1 and Q6_K merge their
 high words into the same masks; IQ4_XS looks its codebook up by ``prmt``.
 Q8_0 converts each signed byte exactly and multiplies by its scale.
 
@@ -175,7 +175,7 @@ def _plain_tile(quants, q_at, h_at, high_words, codebook, i, TILE: tl.constexpr,
     w = (wi % 16) // 4
     j = wi % 4
     code = (tl.load(quants + q_at + (wi % 16)[None, None, :]).to(tl.int32) >> (4 * half)) & 15
-    if KIND == 3:  # Q5_K: bit w (4 + w) of high byte j above weight 4w + j (16 + 4w + j)
+    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: bit w (4 + w) of high byte j above weight 4w + j (16 + ...)
         h = tl.load(high_words + h_at)[:, :, None]
         code |= ((h >> (8 * j + w + 4 * half)) & 1) << 4
     elif KIND == 4:  # Q6_K: bits 2w, 2w + 1 of byte j of the half's high word, the top one flipped
@@ -183,7 +183,7 @@ def _plain_tile(quants, q_at, h_at, high_words, codebook, i, TILE: tl.constexpr,
         code |= (((h >> (8 * j + 2 * w)) & 3) ^ 2) << 4
     elif KIND == 5:
         code = tl.load(codebook + code)
-    base = 64 if (TILE == 1 and KIND <= 4) else 1024
+    base = 64 if (TILE == 1 and KIND != 5) else 1024
     return (code + base).to(tl.float16)
 
 
@@ -201,7 +201,7 @@ def _asm_tiles(q, hs0, hs1, KIND: tl.constexpr):
     if KIND == 4:
         return tl.inline_asm_elementwise(Q6_PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [q, hs0, hs1],
                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    if KIND == 3:
+    if KIND == 3 or KIND >= 7:
         return tl.inline_asm_elementwise(Q5_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [q, hs0], dtype=(tl.float16, tl.float16),
                                          is_pure=True, pack=4)
     return tl.inline_asm_elementwise(NIBBLE_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
@@ -216,6 +216,12 @@ def _block_scales(scales, sub, supers, b, n_safe, N, KIND: tl.constexpr):
     if KIND <= 1:
         d = tl.load(scales + b[None, :] * N + n_safe[:, None])
         off = d * 8.0 if KIND == 1 else d * 0.0
+        return d, d, off, off
+    if KIND >= 6:  # Q4_1, Q5_0, Q5_1: d and dmin per block, scale 1, min 1 (16 for Q5_0): exact in float16
+        sup = tl.load(supers + b[None, :] * N + n_safe[:, None])
+        d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        off = dmin * 16.0 if KIND == 7 else dmin
         return d, d, off, off
     s = tl.load(sub + b[None, :] * N + n_safe[:, None]).to(tl.int32)
     sup = tl.load(supers + (b // 8)[None, :] * N + n_safe[:, None])
@@ -252,7 +258,7 @@ def _gemv_mma_kernel(
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     BYTES: tl.constexpr = 32 if KIND == 0 else 16  # code bytes a block
-    HIGH: tl.constexpr = 1 if KIND == 3 else 2 if KIND == 4 else 0  # high words a block
+    HIGH: tl.constexpr = 1 if (KIND == 3 or KIND >= 7) else 2 if KIND == 4 else 0  # high words a block
     local = tl.arange(0, BLOCK_N)
     n = pn * BLOCK_N + local
     n_in = n < N
@@ -291,7 +297,7 @@ def _gemv_mma_kernel(
                 word = (i // 4)[None, None, :]
                 hs0 = tl.zeros_like(word)
                 hs1 = tl.zeros_like(word)
-                if KIND == 3:
+                if KIND == 3 or KIND >= 7:
                     hs0 = tl.load(high_words + h_now)[:, :, None] >> word
                 elif KIND == 4:
                     hs0 = tl.load(high_words + h_now)[:, :, None] >> (2 * word)

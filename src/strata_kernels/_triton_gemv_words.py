@@ -13,9 +13,9 @@ enough programs for every SM; the splits' partial outputs are summed after.
 Two kernels: ``_gemv_words_kernel`` for Q8_0 and Q4_0 (a float16 scale per
 32), ``_gemv_superblock_kernel`` for Q4_K, Q5_K, Q6_K and IQ4_XS (integer
 sub-block scales and a superblock's d, their high-bit words, IQ4's codebook
-by ``prmt``). Both take groups (expert, rows of x) so that a mixture's
-routed rows run in one launch (``gemv_words_grouped``); a plain weight is
-one group. At 2-8 rows the tensor-core GEMV (``_triton_gemv_mma``) takes
+by ``prmt``) and for Q4_1, Q5_0, Q5_1 (superblocks of one chunk). Both
+take groups (expert, rows of x) so that a mixture's routed rows run in one
+launch (``gemv_words_grouped``); a plain weight is one group. At 2-8 rows the tensor-core GEMV (``_triton_gemv_mma``) takes
 the types it converts.
 
 ``USE_ASM`` (a constexpr) picks ``dp2a`` and ``prmt`` through inline PTX, or
@@ -200,7 +200,8 @@ def _superblock_words(q, high_words, h_off, j, KIND: tl.constexpr):
     ``[N, C, 4]`` and, for Q5_K and Q6_K, its high words at ``h_off`` ``[N, C]``:
     the low nibbles' words (weights 4i..4i+3) and the high nibbles'
     (16+4i..). Q6_K's bytes are 4 x (code - 32)."""
-    if KIND == 3:  # Q5_K: one high word a chunk, bit i (4 + i) of byte j above weight 4i+j (16+4i+j)
+    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: one high word a chunk, bit i (4 + i) of byte j above
+        # weight 4i+j (16+4i+j)
         h = tl.load(high_words + h_off)[:, :, None]
         low = (q & 0x0F0F0F0F) | ((h << (4 - j)) & 0x10101010)
         high = ((q >> 4) & 0x0F0F0F0F) | ((h >> j) & 0x10101010)
@@ -222,16 +223,18 @@ def _gemv_superblock_kernel(
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
-    # The superblock types (KIND 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 IQ4_XS), as _gemv_words_kernel reads Q4_0 (x
-    # in the same layout), plus: high_words int32 Q5_K [N, KB], Q6_K [N, 2 * KB] (else unused); sub int16
-    # [KB, N], a chunk's integer scales; supers int32 [KB / 8, N], float16 d | dmin << 16.
-    # BLOCK_C and chunks_per_split are multiples of 8: an iteration covers whole superblocks.
+    # The superblock types (KIND 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 IQ4_XS; 6 Q4_1, 7 Q5_0, 8 Q5_1 superblocks of one
+    # chunk), as _gemv_words_kernel reads Q4_0 (x in the same layout), plus: high_words int32 Q5_K, Q5_0,
+    # Q5_1 [N, KB], Q6_K [N, 2 * KB] (else unused); sub int16 [KB, N], a chunk's integer scales (none for
+    # 6-8: scale 1, min 1 or 16); supers int32 [KB / 8, N] (6-8: [KB, N]), float16 d | dmin << 16.
+    # BLOCK_C and chunks_per_split are multiples of 8 for 2-5: an iteration covers whole superblocks.
     ps = tl.program_id(1)
     n, n_in, n_safe, row0, first, m, m_in = _group(groups, N, BLOCK_N, BLOCK_M)
     c = tl.arange(0, BLOCK_C)
     j = tl.arange(0, 4)
     chunks = WPR // 4
-    HIGH: tl.constexpr = 1 if KIND == 3 else 2 if KIND == 4 else 0  # high words a chunk
+    HIGH: tl.constexpr = 1 if (KIND == 3 or KIND >= 7) else 2 if KIND == 4 else 0  # high words a chunk
+    PER: tl.constexpr = 1 if KIND >= 6 else 8  # chunks a superblock
     c_start = ps * chunks_per_split
     c_stop = tl.minimum(c_start + chunks_per_split, chunks)
     quants += row0.to(tl.int64) * WPR
@@ -241,7 +244,7 @@ def _gemv_superblock_kernel(
              + tl.zeros([BLOCK_N], tl.int32)[None, :, None, None])
     meta_off = ((first + m)[:, None] * KB + c[None, :]) * 2
     sub_off = c[None, :] * STRIDE + row0 + n_safe[:, None]
-    sup_off = (c // 8)[None, :] * STRIDE + row0 + n_safe[:, None]
+    sup_off = (c // PER)[None, :] * STRIDE + row0 + n_safe[:, None]
     h_off = n_safe[:, None] * (HIGH * KB) + c[None, :] * HIGH
     # IQ4's codebook words (values 0..3 and 8..11), in registers: (n >> 30) is 0, not to the compiler,
     # which would keep a constant in a uniform register and copy it out at every use
@@ -258,9 +261,10 @@ def _gemv_superblock_kernel(
         dot_low = _dp2a_first(tl.load(x_at), low[None, :, :, :], False, USE_ASM)
         dot_low = _dp2a(tl.load(x_at + 4), low[None, :, :, :], dot_low, True, USE_ASM)
         sx = tl.load(xmeta + meta_off + c0 * 2)[:, None, :]
-        s = tl.load(sub + sub_off + c0 * STRIDE).to(tl.int32)  # [N, C]
-        sup = tl.load(supers + sup_off + (c0 // 8) * STRIDE)
+        sup = tl.load(supers + sup_off + (c0 // PER) * STRIDE)
         d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if KIND < 6:
+            s = tl.load(sub + sub_off + c0 * STRIDE).to(tl.int32)  # [N, C]
         if KIND == 4:  # Q6_K: a scale per 16 weights, bytes 4 x (code - 32)
             dot_high = _dp2a_first(tl.load(x_at + 8), high[None, :, :, :], False, USE_ASM)
             dot_high = _dp2a(tl.load(x_at + 12), high[None, :, :, :], dot_high, True, USE_ASM)
@@ -273,6 +277,10 @@ def _gemv_superblock_kernel(
             total = tl.sum(dot, axis=3).to(tl.float32)
             if KIND == 5:  # IQ4_XS: d x scale x codebook value
                 acc += total * (d * s.to(tl.float32))[None, :, :] * sx
+            elif KIND >= 6:  # Q4_1, Q5_0, Q5_1: d x code - dmin x (1 or 16)
+                dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                sums = tl.load(xmeta + meta_off + c0 * 2 + 1)[:, None, :]
+                acc += (total * d[None, :, :] - sums * (dmin * (16.0 if KIND == 7 else 1.0))[None, :, :]) * sx
             else:  # Q4_K, Q5_K: d x scale x code - dmin x min
                 dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
                 sums = tl.load(xmeta + meta_off + c0 * 2 + 1)[:, None, :]
@@ -388,7 +396,7 @@ def _launch(x, planes, n, groups, n_groups, rows, splits, use_asm, prepared, til
     if tiles.get("block_c") and chunks % tiles["block_c"]:
         raise ValueError(f"{chunks} chunks of 4 words a row are not whole tiles of {tiles['block_c']}")
     block_n, block_m = launch.constexprs["BLOCK_N"], launch.constexprs["BLOCK_M"]
-    block_c = _block_c(chunks, launch.constexprs["BLOCK_C"], planes.kind.superblocks)
+    block_c = _block_c(chunks, launch.constexprs["BLOCK_C"], planes.kind.chunks_per_super > 1)
     if prepared is None:  # x's rows, and BLOCK_M of zeros after them for the last group's tile to read
         prepared = prepare_activations(x, pairing_of(planes), m + block_m if n_groups > 1 else block_m)
     xw, xmeta = prepared
@@ -409,6 +417,7 @@ def _launch(x, planes, n, groups, n_groups, rows, splits, use_asm, prepared, til
                                  **constexprs, num_warps=launch.num_warps)
     else:
         high = planes.high if planes.high is not None else planes.quants
-        _gemv_superblock_kernel[grid](xw, xmeta, planes.quants, high, planes.sub, planes.supers, out, *common,
+        sub = planes.sub if planes.sub is not None else planes.quants
+        _gemv_superblock_kernel[grid](xw, xmeta, planes.quants, high, sub, planes.supers, out, *common,
                                       **constexprs, num_warps=launch.num_warps)
     return out.sum(dim=0).to(x.dtype)

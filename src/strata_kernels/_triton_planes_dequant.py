@@ -26,7 +26,8 @@ from .word_planes import BLOCK, WordPlanes
 def _half(codes, high_words, levels, n, b, i, KB, HALF: tl.constexpr, KIND: tl.constexpr):
     """The integer (or codebook value) of weights ``16 * HALF + i`` of blocks
     ``b`` of rows ``n``, from their nibbles ``codes`` ``[N, B, 16]``."""
-    if KIND == 3:  # Q5_K: bit i // 4 (+ 4 for the high half) of byte i % 4 of the block's high word
+    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: bit i // 4 (+ 4 for the high half) of byte i % 4 of the
+        # block's high word
         h = tl.load(high_words + n[:, None, None] * KB + b[None, :, None])
         codes |= ((h >> (8 * (i % 4) + i // 4 + 4 * HALF)) & 1) << 4
     if KIND == 4:  # Q6_K: bits 2 (i // 4) of byte i % 4 of the half's word, top bit flipped
@@ -46,7 +47,8 @@ def _dequantize_planes_kernel(
     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     # quants: the planes' codes as bytes [N, K] (Q8_0) or [N, K / 2]; out: [N, K] (row-major)
-    # scales: float16 [KB, N] (Q8_0, Q4_0); high_words, sub, supers as in _gemv_superblock_kernel
+    # scales: float16 [KB, N] (Q8_0, Q4_0); high_words, sub, supers as in _gemv_superblock_kernel (Q4_1, Q5_0,
+    #         Q5_1: supers [KB, N], no sub)
     # levels: IQ4's 16 codebook values (float32)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -69,6 +71,13 @@ def _dequantize_planes_kernel(
         d = tl.load(scales + b_safe[None, :] * N + n_safe[:, None]).to(tl.float32)[:, :, None]
         low = d * low
         high = d * high
+    elif KIND >= 6:  # Q4_1, Q5_0, Q5_1: d x code - dmin x the type's min, d and dmin per block
+        sup = tl.load(supers + b_safe[None, :] * N + n_safe[:, None])
+        d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+        dmin = ((sup >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+        ml = dmin * (16.0 if KIND == 7 else 1.0)
+        low = d * low - ml
+        high = d * high - ml
     else:
         s = tl.load(sub + b_safe[None, :] * N + n_safe[:, None]).to(tl.int32)
         sup = tl.load(supers + (b_safe // 8)[None, :] * N + n_safe[:, None])

@@ -98,7 +98,8 @@ def gemv_launch(qtype: int, m: int, n: int, k: int) -> KernelLaunch:
 
 
 # The word GEMV's kernel per type: BITS for _gemv_words_kernel, KIND for _gemv_superblock_kernel.
-WORD_KINDS = {T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4, T.IQ4_XS: 5}
+WORD_KINDS = {T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4, T.IQ4_XS: 5, T.Q4_1: 6, T.Q5_0: 7, T.Q5_1: 8}
+# Kinds 6-8 are superblocks of one chunk (word_planes.WordType.unit_min); 3, 7 and 8 have Q5_K's high word.
 
 
 def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: int | None = None,

@@ -17,7 +17,7 @@ from .quant_tensor import QuantTensor
 from .word_planes import WordPlanes, dequantize_planes, pairing_of
 
 # The types the tensor cores' GEMV converts (launch_plans.MMA_KINDS; here without importing triton).
-MMA_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
+MMA_TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q4_1, T.Q5_0, T.Q5_1)
 # The tensor-core GEMV's K step (launch_plans.gemv_mma_launch: 8 blocks of 32): other widths take the word GEMV.
 MMA_COLS = 256
 

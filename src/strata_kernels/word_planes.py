@@ -34,10 +34,16 @@ and its sub-block scales.
 - ``supers`` int32 ``[cols / 256, rows]`` (superblock types): the float16
   ``d`` in the low half, ``dmin`` (Q4_K, Q5_K; else 0) in the high one.
 
-A weight is then ``d * scale * code - dmin * min`` (Q4_K, Q5_K),
-``d * scale * (code - 32)`` (Q6_K), ``d * scale * kvalues[code]`` (IQ4_XS).
-Bytes: Q8_0 and Q4_0 as their blocks; Q4_K, Q5_K, Q6_K at most 3% more, IQ4_XS 9%
-(a 16-bit sub word per 32 weights where the blocks pack 12 bits).
+Q4_1, Q5_0 and Q5_1 (a float16 d, and m, per 32) are superblock types of
+one chunk without ``sub``: ``supers`` ``[cols / 32, rows]``, an implied
+scale of 1 and min of ``WordType.unit_min``: Q4_1 and Q5_1 hold ``-m`` as
+dmin (min 1), Q5_0 ``d`` (min 16); Q5_0 and Q5_1 have Q5_K's high word.
+
+A weight is then ``d * scale * code - dmin * min`` (Q4_K, Q5_K; Q4_1, Q5_0,
+Q5_1: ``d * code + m``, ``d * code - 16 d``), ``d * scale * (code - 32)``
+(Q6_K), ``d * scale * kvalues[code]`` (IQ4_XS). Bytes: Q8_0, Q4_0, Q4_1 and
+Q5_1 as their blocks; Q4_K, Q5_K, Q6_K at most 3% more, IQ4_XS 9% (a 16-bit
+sub word per 32 weights where the blocks pack 12 bits), Q5_0 9% (its d twice).
 """
 
 from __future__ import annotations
@@ -59,17 +65,31 @@ SUPER = 256  # weights per superblock
 @dataclass(frozen=True)
 class WordType:
     """How a type's planes are made: code bits in ``quants`` (8 or 4), high
-    words per chunk, and whether scales come as ``sub`` x ``supers``."""
+    words per chunk, whether scales come as ``sub`` x ``supers``, and, for a
+    superblock of one chunk (no ``sub``), the min its dmin multiplies."""
 
     bits: int
     high_words: int = 0
     superblocks: bool = False
+    unit_min: int | None = None
+
+    @property
+    def chunks_per_super(self) -> int:
+        """Chunks that share a superblock's d (1: a scale per chunk)."""
+        return SUPER // BLOCK if self.superblocks and self.unit_min is None else 1
+
+    @property
+    def block_weights(self) -> int:
+        """Weights in one of the type's GGUF blocks."""
+        return BLOCK * self.chunks_per_super
 
 
 WORD_TYPES = {
     T.Q8_0: WordType(8), T.Q4_0: WordType(4),
     T.Q4_K: WordType(4, 0, True), T.Q5_K: WordType(4, 1, True), T.Q6_K: WordType(4, 2, True),
     T.IQ4_XS: WordType(4, 0, True),
+    T.Q4_1: WordType(4, 0, True, unit_min=1), T.Q5_0: WordType(4, 1, True, unit_min=16),
+    T.Q5_1: WordType(4, 1, True, unit_min=1),
 }
 
 
@@ -87,6 +107,8 @@ def pairing_of(planes: "WordPlanes") -> str:
 def bytes_per_weight(qtype: T) -> float:
     """Bytes of every plane per weight (what a GEMV streams)."""
     kind = WORD_TYPES[qtype]
+    if kind.unit_min is not None:  # codes, high words, d and dmin
+        return (BLOCK * kind.bits / 8 + 4 * kind.high_words + 4) / BLOCK
     chunk = BLOCK * kind.bits / 8 + 4 * kind.high_words + 2  # codes, high words, a scale or a sub word
     return chunk / BLOCK + (4 / SUPER if kind.superblocks else 0)
 
@@ -98,9 +120,10 @@ class WordPlanes:
 
     Invariant: every plane present is contiguous and on one device;
     ``quants`` is int32 ``[rows, cols * bits / 32]``; ``scales`` is present
-    exactly for the types without superblocks, ``sub`` and ``supers``
-    exactly for those with; ``high`` exactly for Q5_K and Q6_K; ``cols`` is a
-    multiple of 32 (of 256 with superblocks)."""
+    exactly for the types without superblocks, ``supers`` exactly for those
+    with, ``sub`` for those with but those of one chunk (``unit_min``);
+    ``high`` exactly for Q5_K, Q6_K, Q5_0 and Q5_1; ``cols`` is a multiple of
+    32 (of 256 with superblocks of 8 chunks)."""
 
     qtype: T
     rows: int
@@ -159,6 +182,8 @@ class WordPlanes:
                              f"{', '.join(t.name for t in WORD_TYPES)}")
         if len(qt.shape) != 2:
             raise ValueError(f"word planes hold a 2-D weight, got shape {qt.shape}")
+        if WORD_TYPES[qt.qtype].unit_min is not None:
+            return _chunk_planes(qt)
         if qt.qtype in (T.Q8_0, T.Q4_0):
             code_bytes = 32 if qt.qtype == T.Q8_0 else 16
             blocks = qt.data.view(qt.rows, qt.cols // BLOCK, 2 + code_bytes)
@@ -201,6 +226,27 @@ def _superblock_planes(qt: QuantTensor) -> WordPlanes:
                       sub=sub.to(torch.int16).t().contiguous(), supers=supers.t().contiguous())
 
 
+def _chunk_planes(qt: QuantTensor) -> WordPlanes:
+    """Q4_1, Q5_0, Q5_1: superblocks of one chunk (the module's docstring)."""
+    rows, chunks = qt.rows, qt.cols // BLOCK
+    blocks = qt.data.reshape(rows, chunks, block_format(qt.qtype).type_size)
+    d = blocks[..., 0:2].contiguous().view(torch.int16).int().squeeze(-1) & 0xFFFF
+    if qt.qtype == T.Q5_0:
+        dmin = d
+    else:  # -m: the float16's sign bit flipped
+        dmin = (blocks[..., 2:4].contiguous().view(torch.int16).int().squeeze(-1) & 0xFFFF) ^ 0x8000
+    quants = blocks[..., -16:].contiguous().view(rows, -1).view(torch.int32)
+    high = None
+    if qt.qtype != T.Q4_1:  # qh bit w: the fifth bit of weight w; to Q5_K's word (byte j bit i + 4 half)
+        qh = blocks[..., -20:-16].contiguous().view(torch.int32).squeeze(-1)
+        w = torch.arange(32, device=qh.device)
+        bits = (qh[..., None] >> w) & 1  # [row, chunk, weight]
+        shifts = 8 * (w % 4) + (w % 16) // 4 + 4 * (w // 16)
+        high = (bits << shifts).sum(dim=-1).to(torch.int32).contiguous()  # distinct bits: the sum is their or
+    supers = (d | (dmin << 16)).t().contiguous()
+    return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, supers=supers)
+
+
 def _codes(planes: WordPlanes) -> torch.Tensor:
     """int32 ``[rows, cols / 32, 32]``: each weight's code (Q6_K's less 32)."""
     rows, chunks = planes.rows, planes.cols // BLOCK
@@ -208,7 +254,7 @@ def _codes(planes: WordPlanes) -> torch.Tensor:
     if planes.qtype == T.Q8_0:
         return (codes << 24) >> 24  # signed bytes
     nib = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # [row, chunk, 32]
-    if planes.qtype == T.Q5_K:
+    if planes.high is not None and planes.kind.high_words == 1:  # Q5_K, Q5_0, Q5_1
         byte = planes.high.contiguous().view(torch.uint8).view(rows, chunks, 1, 1, 4).int()
         shifts = torch.arange(4, device=byte.device).view(1, 1, 1, 4, 1) + 4 * torch.arange(
             2, device=byte.device).view(1, 1, 2, 1, 1)
@@ -226,6 +272,8 @@ def block_scales(planes: WordPlanes) -> torch.Tensor:
     tensor-core GEMV rounds it to float16 (``d x`` the integer scale)."""
     if planes.scales is not None:
         return planes.scales.t().float().repeat_interleave(2, dim=1)
+    if planes.kind.unit_min is not None:
+        return (planes.supers.t() & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(2, dim=1)
     sub = planes.sub.t().int()
     d = (planes.supers.t() & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(
         SUPER // BLOCK, dim=1)
@@ -245,9 +293,14 @@ def dequantize_planes(planes: WordPlanes) -> torch.Tensor:
     if planes.scales is not None:
         q = codes.float() - (8 if planes.qtype == T.Q4_0 else 0)
         return (planes.scales.t().float().unsqueeze(-1) * q).reshape(rows, planes.cols)
-    sub = planes.sub.t().int()  # [rows, chunks]
     supers = planes.supers.t().contiguous()
-    d = (supers & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(SUPER // BLOCK, dim=1)
+    per = planes.kind.chunks_per_super
+    d = (supers & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(per, dim=1)
+    if planes.kind.unit_min is not None:  # d x code - dmin x unit_min
+        dmin = ((supers >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float()
+        ml = (dmin * float(planes.kind.unit_min)).unsqueeze(-1)
+        return (d.unsqueeze(-1) * codes.float() - ml).reshape(rows, planes.cols)
+    sub = planes.sub.t().int()  # [rows, chunks]
     if planes.qtype == T.Q6_K:
         scale = torch.stack([(sub << 24) >> 24, sub >> 8], dim=-1)  # [rows, chunks, 2] signed
         dl = (d.unsqueeze(-1) * scale.float()).unsqueeze(-1)  # [rows, chunks, 2, 1]

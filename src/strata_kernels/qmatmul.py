@@ -92,6 +92,11 @@ def planes_matmul(x: torch.Tensor, planes: WordPlanes, prepared=None) -> torch.T
     (the tensor cores' speed). ``prepared``: ``prepare_rows(x, ...)``, if made."""
     if x.dim() != 2 or x.shape[1] != planes.cols:
         raise ValueError(f"x must be [M, {planes.cols}], got shape {tuple(x.shape)}")
+    if not x.is_cuda:
+        from . import gemv_arithmetic
+
+        if gemv_arithmetic.active():  # the kernels' arithmetic in torch (a measurement on a CPU)
+            return gemv_arithmetic.planes_arithmetic(x, planes)
     path = gemv_path(x.shape[0], planes)
     if path == "mma":
         from ._triton_gemv_mma import gemv_mma

@@ -184,11 +184,21 @@ def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str, 
     argument: ``launch.attention_settings`` says how ``programs`` and ``sms``
     set it)."""
     s = attention_settings(t, group, n_slots, head_dim, programs, sms)
-    warps = s.num_warps
+    warps, block_n, splits = s.num_warps, s.block_n, s.splits
+    if t == 1 and fmt != "f16" and head_dim <= 256:
+        # A quantized position is half or a quarter of f16's bytes: 64 positions a step keep the step's
+        # softmax and bookkeeping from outweighing the reads (bandwidth_check, instructions a KiB on sm_86:
+        # int8 247 -> 211 at D=128, 236 -> 180 at D=256; k8v4 312 -> 281, 451 -> 276). 128 cut them further
+        # but took 132 KB of shared memory (k8v4, D=256), spilled (int8, D=256, sm_90), left a 4K context too
+        # few splits for 2 programs an SM, and lowered occupancy more than it saved.
+        block_n = 64
+        splits = max(1, min(splits, -(-n_slots // block_n)))
+        if head_dim == 256:  # 4 warps spilled 12-108 bytes (int8, float32 queries); 8 spill none
+            warps = max(warps, 8)
     if t == 1 and fmt == "k8v4":  # its values' levels and regrouped halves take twice the registers per tile
         warps = max(warps, min(8, s.block_m * head_dim // 512))
-    return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=s.block_n,
-                             USE_ASM=True), warps), s.splits
+    return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=block_n,
+                             USE_ASM=True), warps), splits
 
 
 def merge_launch(head_dim: int) -> KernelLaunch:

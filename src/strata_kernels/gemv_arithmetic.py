@@ -17,7 +17,7 @@ holds each kernel, run by the interpreter, to it.
   x's sums over 16 rounded to float16.
 - A prompt's rows (the dense path): the exact weights, ``x @ W.T``.
 
-``planes_arithmetic(x, planes)`` picks as ``qmatmul.gemv_path`` does.
+``planes_arithmetic(x, planes, path)`` computes ``qmatmul.gemv_path``'s path.
 Products accumulate in float64 here: the kernels' float32 sums differ from
 them by float32 rounding alone. Inside ``gpu_arithmetic()``,
 ``planes_matmul`` on CPU tensors computes this way instead of launching the
@@ -130,11 +130,9 @@ def mma_arithmetic(x: torch.Tensor, planes: WordPlanes) -> torch.Tensor:
     return (out * magnitude.to(wide)).to(x.dtype)
 
 
-def planes_arithmetic(x: torch.Tensor, planes: WordPlanes) -> torch.Tensor:
-    """``planes_matmul``'s result for ``x`` ``[M, K]``, by the path it takes."""
-    from .qmatmul import gemv_path
-
-    path = gemv_path(x.shape[0], planes)
+def planes_arithmetic(x: torch.Tensor, planes: WordPlanes, path: str) -> torch.Tensor:
+    """``planes_matmul``'s result for ``x`` ``[M, K]`` on ``path``
+    (``qmatmul.gemv_path``'s answer: ``"mma"``, ``"words"`` or ``"dense"``)."""
     if path == "mma":
         return mma_arithmetic(x, planes)
     if path == "words":

@@ -96,7 +96,7 @@ def planes_matmul(x: torch.Tensor, planes: WordPlanes, prepared=None) -> torch.T
         from . import gemv_arithmetic
 
         if gemv_arithmetic.active():  # the kernels' arithmetic in torch (a measurement on a CPU)
-            return gemv_arithmetic.planes_arithmetic(x, planes)
+            return gemv_arithmetic.planes_arithmetic(x, planes, gemv_path(x.shape[0], planes))
     path = gemv_path(x.shape[0], planes)
     if path == "mma":
         from ._triton_gemv_mma import gemv_mma

@@ -78,7 +78,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'model':>8} {'path':>22} {'feed':>8} {'positions':>9} {'top-1':>7} {'mean KL':>9} {'seconds':>8}")
     for name in args.models.split(","):
-        texts = [case["tokens"][:args.positions] for case in json.loads((DATA / MODELS[name]).read_text())["teacher_forced"]]
+        cases = json.loads((DATA / MODELS[name]).read_text())["teacher_forced"]
+        texts = [case["tokens"][:args.positions] for case in cases]
         path = model_path(name)
         options = dict(progress=False, context_length=1024, conversation_cache_mib=0)
         exact = strata_runtime.load(path, dtype="float32", **options)

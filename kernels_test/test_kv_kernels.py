@@ -6,6 +6,8 @@ dense float64 attention over the same (dequantized) keys and values.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import report_mismatch
@@ -18,6 +20,9 @@ from strata_kernels.paging import BlockTables
 from strata_kernels.reference_kv import kv_dequantize, kv_quantize
 
 FORMATS = ["f16", "int8", "k8v4"]
+# The rerun of the ``cpu_kernels`` tests for another CPU variant (test_cpu_kernels_targets) sets this: the
+# Triton interpreter's results do not depend on the CPU variant, and they were most of that rerun's time.
+CHECK_TRITON = os.environ.get("STRATA_RERUN_CPU_KERNELS_ONLY") != "1"
 # Triton's attention multiplies on the tensor cores: scaled queries, keys,
 # probabilities and values rounded to 16 bits (float16 for float32 queries),
 # sums in float32, so each output is off by about 2^-11 of the values it
@@ -174,12 +179,12 @@ def test_prefill_and_decode_attention(fmt, head_dim, group, context, window, chu
         q = _rand(s1 - s0, hkv * group, head_dim, seed=s0)
         expected = _dense(q, k_all[:s1], v_all[:s1], s0, window, scale)
         by_torch = attention(q, ring, s0, window, scale, backend="torch")
-        by_triton = attention(q, ring, s0, window, scale, backend="triton")
         # backend="cpu": the compiled kernel on f16 decode steps, torch's fused attention on f16 chunks
         by_cpu = attention(q, ring, s0, window, scale, backend="cpu")
         assert torch.allclose(by_torch.double(), expected, atol=2e-5), report_mismatch(by_torch, expected.float(), 2e-5)
-        ok, report = _close(by_triton, by_torch, "triton")
-        assert ok, report
+        if CHECK_TRITON:
+            ok, report = _close(attention(q, ring, s0, window, scale, backend="triton"), by_torch, "triton")
+            assert ok, report
         assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
@@ -193,10 +198,10 @@ def test_decode_split_over_the_context(fmt):
     kv_write(store, torch.arange(context), keys, values)
     q = _rand(1, hkv * group, d, seed=9)
     by_torch = attention(q, store, context - 1, None, 0.125, backend="torch")
-    by_triton = attention(q, store, context - 1, None, 0.125, backend="triton")
     by_cpu = attention(q, store, context - 1, None, 0.125, backend="cpu")  # chunks of 128 across threads
-    ok, report = _close(by_triton, by_torch, "triton")
-    assert ok, report
+    if CHECK_TRITON:
+        ok, report = _close(attention(q, store, context - 1, None, 0.125, backend="triton"), by_torch, "triton")
+        assert ok, report
     assert torch.allclose(by_cpu, by_torch, atol=2e-5), report_mismatch(by_cpu, by_torch, 2e-5)
 
 
@@ -267,7 +272,7 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
             s1 = min(n - 1, s0 + chunk)
             q = _rand(s1 - s0, hkv * group, d, seed=s0 + i)
             expected = write_and_attend(q, k[s0:s1], v[s0:s1], alone[i], s0, window, d**-0.5, "torch")
-            for backend in ("torch", "triton", "cpu"):
+            for backend in ("torch", "triton", "cpu") if CHECK_TRITON else ("torch", "cpu"):
                 if backend != "torch":  # the other backends read what torch's write left
                     got = attention(q, shared, s0, window, d**-0.5, backend, seq_tables[i])
                 else:
@@ -282,7 +287,7 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
     positions = torch.tensor([n - 1 for n in lengths])
     expected = torch.cat([write_and_attend(q[i:i + 1], last_k[i:i + 1], last_v[i:i + 1], alone[i], n - 1, window,
                                            d**-0.5, "torch") for i, n in enumerate(lengths)])
-    for backend in ("torch", "cpu", "triton"):
+    for backend in ("torch", "cpu", "triton") if CHECK_TRITON else ("torch", "cpu"):
         got = decode_attention(q, last_k, last_v, shared, positions, window, d**-0.5,
                                BlockTables.of(tables, bs), backend)
         ok, report = _close(got, expected, backend)
@@ -292,13 +297,14 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
     from strata_kernels._triton_attention import attention_triton
     from strata_kernels.launch_plans import FORMAT_CODES, KernelLaunch
 
-    rotated = q @ hadamard(d) if shared.rotated else q
-    small = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[shared.fmt], BLOCK_M=16, BLOCK_N=16))
-    got = attention_triton(rotated[:, None], shared, positions.tolist(), window, d**-0.5, BlockTables.of(tables, bs),
-                           launch=(small, 4))[:, 0]
-    got = got @ hadamard(d) if shared.rotated else got
-    ok, report = _close(got, expected, "triton")
-    assert ok, report
+    if CHECK_TRITON:
+        rotated = q @ hadamard(d) if shared.rotated else q
+        small = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[shared.fmt], BLOCK_M=16, BLOCK_N=16))
+        got = attention_triton(rotated[:, None], shared, positions.tolist(), window, d**-0.5,
+                               BlockTables.of(tables, bs), launch=(small, 4))[:, 0]
+        got = got @ hadamard(d) if shared.rotated else got
+        ok, report = _close(got, expected, "triton")
+        assert ok, report
     for i, n in enumerate(lengths):  # every position each sequence keeps reads back as written
         first = 0 if window is None else max(0, n - 4 * bs)
         a = kv_read(shared, torch.arange(first, n), seq_tables[i])

@@ -79,6 +79,33 @@ def test_completions_with_a_seed_give_the_same_text_twice(client, model_id):
     assert other != first  # the seed matters (10 tokens at T=0.9 would collide only by a fluke)
 
 
+ANSWER = {"type": "object", "additionalProperties": False, "required": ["rivers", "count"],
+          "properties": {"rivers": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 3}}}
+
+
+def test_structured_outputs_follow_the_schema_whole_and_streamed(client, model_id):
+    """``response_format`` json_schema (strict) and json_object through the
+    official client: the answer parses and validates; streamed, it is the
+    same text."""
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "rivers", "schema": ANSWER, "strict": True}}
+    whole = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=80, temperature=0,
+                                           response_format=fmt)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), ANSWER)
+    assert whole.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=80, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    loose = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=80, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(loose.choices[0].message.content), dict)
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})
@@ -133,6 +160,17 @@ BAD = [
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "'tools' is not supported"),
+    ("a response_format of an unknown type", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400,
+     "response_format.type must be 'text', 'json_object' or 'json_schema'"),
+    ("a json_schema response_format without its schema", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                                                                         "json_schema": {"name": "a"}}}, 400,
+     "json_schema.schema must be a JSON schema object"),
+    ("a schema keyword the decoder cannot enforce", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {
+         "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array", "uniqueItems": True}}}},
+     400, "uniqueItems"),
     ("an unknown field", "/v1/completions", {"prompt": "x", "temprature": 0.1}, 400, "unknown field(s) 'temprature'"),
     ("an unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "is not served here"),
     ("a prompt longer than the context", "/v1/completions", {"prompt": LONG, "max_tokens": 2}, 400,

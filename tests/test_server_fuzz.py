@@ -51,10 +51,28 @@ COMMON = {
     "cache_salt": TEXT,
     "logprobs": st.sampled_from([None, False, True]),
 }
+# JSON schemas, some well formed, some not (unknown types, keywords the decoder cannot enforce, any JSON).
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "boolean", "null", "strin", "object"])},
+                          optional={"maxLength": st.integers(-1, 4), "enum": st.lists(TEXT, max_size=3),
+                                    "uniqueItems": st.booleans(), "pattern": TEXT}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object"),
+                                         "properties": st.dictionaries(TEXT, inner, max_size=3)},
+                                        optional={"required": st.lists(TEXT, max_size=2),
+                                                  "additionalProperties": st.booleans()}),
+    max_leaves=6)
+RESPONSE_FORMAT = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
+    st.fixed_dictionaries({"type": st.just("json_schema"),
+                           "json_schema": st.fixed_dictionaries({"name": TEXT},
+                                                                optional={"schema": st.one_of(SCHEMA, ANY_JSON),
+                                                                          "strict": st.booleans()})}),
+    ANY_JSON)
 VALID = {
     "/v1/chat/completions": st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=3),
                                                    "max_tokens": st.integers(1, 3)},
-                                                  optional={**COMMON, "max_completion_tokens": st.integers(1, 3)}),
+                                                  optional={**COMMON, "max_completion_tokens": st.integers(1, 3),
+                                                            "response_format": RESPONSE_FORMAT}),
     "/v1/completions": st.fixed_dictionaries(
         {"prompt": st.one_of(TEXT, TEXT, st.lists(st.integers(-5, 300_000), max_size=5)),
          "max_tokens": st.integers(1, 3)}, optional=COMMON),

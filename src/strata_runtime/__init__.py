@@ -20,11 +20,11 @@ if TYPE_CHECKING:  # for readers and type checkers: what the lazy names are
     from .config import EngineConfig
     from .engine import Engine, load
     from .scheduling import Completion, SamplingParams
-    from .text import ChatTemplateError
+    from .text import ChatTemplateError, Grammar, GrammarError
 
 # name -> the module (under this package) that defines it
 _LAZY = {"load": "engine", "Engine": "engine", "EngineConfig": "config", "Completion": "scheduling",
-         "SamplingParams": "scheduling", "ChatTemplateError": "text"}
+         "SamplingParams": "scheduling", "ChatTemplateError": "text", "Grammar": "text", "GrammarError": "text"}
 
 __all__ = [
     "QueueFull",
@@ -34,6 +34,8 @@ __all__ = [
     "ContextLengthError",
     "Engine",
     "EngineConfig",
+    "Grammar",
+    "GrammarError",
     "ModelFileError",
     "SamplingParams",
     "StrataError",

@@ -26,11 +26,12 @@ from .conversations import CacheSettings, HostMemory, StagingSegment, open_disk_
 from .errors import ContextLengthError, RequestError, RequestTypeError
 from .files import GGUFFile, Placement, check_device, default_model_path, model_file_identity
 from .models import build_model, check_vocabulary, forward_chunks, open_model
-from .scheduling import Completion, Run, SamplingParams, reserve_scheduler, run_together
+from .scheduling import Completion, Constraint, Run, SamplingParams, reserve_scheduler, run_together
 from .state import KVCache, row_bytes, state_fingerprint
 from .text import (
     ChatTemplate,
     ChatTemplateError,
+    GrammarCompiler,
     StopTextStream,
     Tokenizer,
     TurnMarker,
@@ -145,6 +146,7 @@ class Engine:
                                config.conversation_cache_disk_mib, disk_lock)
         self.last_completion: Completion | None = None
         self.loaded_at = time.time()
+        self.grammars = GrammarCompiler(tokenizer)  # its vocabulary is built on the first constrained request
 
     @cached_property
     def _turns(self) -> TurnMarker | None:
@@ -387,7 +389,11 @@ class Engine:
         if len(ids) >= self.context_length:
             raise ContextLengthError(len(ids), self.context_length)
         text = StopTextStream(self.tokenizer.stream_decoder(), params.stop)
-        return Run(self.scheduler, text, ids, params, boundaries, root, abort, cache_scope, self._completed)
+        constraint = None
+        if params.grammar is not None:  # compiled here: a grammar it cannot enforce is the request's error
+            constraint = Constraint(self.grammars.matcher(params.grammar), self.tokenizer.vocab.size)
+        return Run(self.scheduler, text, ids, params, boundaries, root, abort, cache_scope, self._completed,
+                   constraint=constraint)
 
     def _completed(self, completion: Completion) -> None:
         self.last_completion = completion

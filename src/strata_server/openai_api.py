@@ -28,11 +28,11 @@ _IGNORED = {"user", "metadata", "store"}
 _UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,), "audio": (None,),
+    "parallel_tool_calls": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""),
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 ROLES = {"system", "developer", "user", "assistant"}
 MAX_CACHE_SALT_CHARS = 256
@@ -82,7 +82,41 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
     parsed = [_message(m, i) for i, m in enumerate(messages)]
     # The template adds text; it never makes the contents shorter than they are.
     limits.check_chars(sum(len(m["content"]) for m in parsed))
-    return {"kind": "chat", "messages": parsed, **_common(body, models, limits)}
+    command = {"kind": "chat", "messages": parsed, **_common(body, models, limits)}
+    grammar = response_format_grammar(body.get("response_format"))
+    if grammar is not None:
+        command["sampling"]["grammar"] = grammar
+    return command
+
+
+def response_format_grammar(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the engine's grammar (the JSON form
+    ``strata_runtime.Grammar.of`` reads), or None for plain text. A schema
+    the constraint cannot enforce is refused by the engine, naming the keyword."""
+    if value is None:
+        return None
+    kinds = "'text', 'json_object' or 'json_schema'"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ApiError(400, f"'response_format' must be an object whose 'type' is {kinds}, got {_show(value)}")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type must be {kinds}, got {_show(kind)}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object such as "
+                            "{\"name\": \"answer\", \"schema\": {...}, \"strict\": true}")
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, f"response_format.json_schema.schema must be a JSON schema object, got {_show(schema)}")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ApiError(400, f"response_format.json_schema.strict must be true or false, got {_show(strict)}")
+    # strict or not, the answer is held to the schema: the decoder enforces it, it does not hope for it.
+    return {"json_schema": schema}
 
 
 def parse_completion(body: Any, models: set[str], limits: PromptLimits) -> dict[str, Any]:

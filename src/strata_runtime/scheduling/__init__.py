@@ -2,6 +2,7 @@
 residents parked to the conversation cache), sampling, and a ``Run``: one generation turned into text."""
 
 from .batch import Batch
+from .constraint import Constraint
 from .reserve import reserve_scheduler
 from .run import Completion, Run, run_together
 from .sampling import Sampler, SamplingParams
@@ -11,6 +12,7 @@ from .sequence import Generation
 __all__ = [
     "Batch",
     "Completion",
+    "Constraint",
     "Generation",
     "Run",
     "Sampler",

@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..errors import Cancelled
 from ..text import StopTextStream
+from .constraint import Constraint
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Generation
@@ -54,8 +55,9 @@ class Run:
     def __init__(self, scheduler: Scheduler, text: StopTextStream, prompt: list[int], params: SamplingParams,
                  boundaries: Sequence[int] = (), root: int | None = None,
                  abort: Callable[[], bool] | None = None, scope: str = "",
-                 on_complete: Callable[[Completion], None] | None = None):
+                 on_complete: Callable[[Completion], None] | None = None, constraint: Constraint | None = None):
         self.scheduler = scheduler
+        self.constraint = constraint
         self.prompt = prompt
         self.params = params
         self.boundaries = boundaries
@@ -72,7 +74,7 @@ class Run:
         """Queue this generation (``bounded``: subject to the waiting queue's bound)."""
         self.started = time.perf_counter()
         self.seq = self.scheduler.submit(self.prompt, self.params, self.scope, self.boundaries, self.root,
-                                                bounded=bounded)
+                                         bounded=bounded, constraint=self.constraint)
         return self.seq
 
     def pump(self) -> str:

@@ -10,6 +10,8 @@ from typing import Sequence
 import torch
 
 from ..errors import RequestError
+from ..text import Grammar
+from .constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -17,9 +19,10 @@ class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy
     (and so is any temperature below ``GREEDY_BELOW``).
 
-    The filters run in llama.cpp's default order: penalties, top-k, top-p,
-    min-p, then temperature, then a draw from a generator seeded by ``seed``
-    (a given seed reproduces the same tokens).
+    The filters run in llama.cpp's default order after the grammar's mask
+    (where ``grammar`` is set): penalties, top-k, top-p, min-p, then
+    temperature, then a draw from a generator seeded by ``seed`` (a given
+    seed reproduces the same tokens).
     """
 
     MAX_STOP_STRINGS = 16  # OpenAI allows 4; agents send a few more. Each costs work on every token.
@@ -40,8 +43,11 @@ class SamplingParams:
     penalty_last_n: int = 64
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # What the generated text must match (a JSON schema, a Lark grammar, a regex), or None.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "grammar", Grammar.of(self.grammar))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -75,20 +81,41 @@ class SamplingParams:
 
 class Sampler:
     """Draws tokens for one request. Invariant: its generator is seeded once, at
-    construction, so the same seed and logits give the same tokens."""
+    construction, so the same seed and logits give the same tokens; its
+    ``constraint`` (a grammar, or None) has seen every token it returned."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
+        self.constraint = constraint
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """``logits`` ``[vocab]`` float32 for the next position; ``history`` the
         tokens so far (prompt included), for the penalties."""
-        p = self.params
+        token = self._choose(logits, history)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token
+
+    def rollback(self, tokens: int) -> None:
+        """The last ``tokens`` returned were dropped (a stop string came before them)."""
+        if self.constraint is not None:
+            self.constraint.rollback(tokens)
+
+    def _choose(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        p, constraint = self.params, self.constraint
         # Sampling runs on the CPU: one copy of the logits per token beats a
         # device sync per filter.
-        logits = apply_penalties(logits.float().cpu(), history, p)
+        logits = logits.float().cpu()
+        if constraint is not None:
+            if p.greedy and not _penalized(p, history):
+                best = int(torch.argmax(logits))
+                if constraint.allows(best):  # the usual case inside a constrained answer: no mask applied
+                    return best
+            # Before the penalties and filters, so each sees only what the grammar allows.
+            logits = constraint.restrict(logits)
+        logits = apply_penalties(logits, history, p)
         if p.greedy:
             return int(torch.argmax(logits))
         log_total = None  # log of the softmax denominator when candidates are not the whole support
@@ -143,13 +170,18 @@ def reachable_head(logits: torch.Tensor, log_total: torch.Tensor, p: SamplingPar
         k = min(4 * k, limit)
 
 
+def _penalized(p: SamplingParams, history: Sequence[int]) -> bool:
+    """Whether ``apply_penalties`` changes anything."""
+    if p.penalty_last_n == 0 or not history:
+        return False
+    return not (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], p: SamplingParams) -> torch.Tensor:
     """Repetition (llama.cpp/CTRL style: divide positive logits, multiply
     negative ones), presence and frequency penalties over the last
-    ``penalty_last_n`` tokens."""
-    if p.penalty_last_n == 0 or not history:
-        return logits
-    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+    ``penalty_last_n`` tokens. A logit at -inf (a token a grammar forbids) stays there."""
+    if not _penalized(p, history):
         return logits
     recent = torch.tensor(list(history)[-p.penalty_last_n:], dtype=torch.long)
     tokens, counts = torch.unique(recent, return_counts=True)
@@ -160,5 +192,5 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], p: SamplingPar
     values = values - counts.to(values.dtype) * p.frequency_penalty - p.presence_penalty
     # A penalty far from 1 can push a logit past float32's range; inf would make the softmax NaN.
     finite = torch.finfo(values.dtype).max
-    logits[tokens] = values.clamp(-finite, finite)
+    logits[tokens] = torch.where(torch.isneginf(logits[tokens]), logits[tokens], values.clamp(-finite, finite))
     return logits

@@ -40,6 +40,7 @@ from ..speculation import Speculation
 from ..state import PREFILL_CHUNK, KVCache, KVPool
 from ..testing import armed, fault_point
 from .batch import Batch
+from .constraint import Constraint
 from .sampling import Sampler, SamplingParams
 from .sequence import DECODING, FINISHED, PREFILLING, WAITING, Generation, Resident
 
@@ -86,9 +87,11 @@ class Scheduler:
     # --- requests -----------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, scope: str = "",
-               boundaries: Sequence[int] = (), root: int | None = None, bounded: bool = True) -> Generation:
+               boundaries: Sequence[int] = (), root: int | None = None, bounded: bool = True,
+               constraint: Constraint | None = None) -> Generation:
         """Queue a request; ``QueueFull`` past ``max_waiting`` waiting ones
-        (``bounded``: a server's clients; a notebook's own list is not)."""
+        (``bounded``: a server's clients; a notebook's own list is not).
+        ``constraint``: the grammar its tokens follow (made from ``params.grammar``)."""
         if bounded and len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (the bound); retry shortly")
         prompt = list(prompt)
@@ -97,7 +100,7 @@ class Scheduler:
             g = short[0]
             raise RequestError(f"the prompt's {len(prompt)} tokens need {g.blocks_for(len(prompt) + 1)} KV blocks "
                               f"but the pool holds {g.n_blocks}; shorten it or give the engine more KV memory")
-        seq = Generation(next(self._ids), prompt, params, Sampler(params),
+        seq = Generation(next(self._ids), prompt, params, Sampler(params, constraint),
                         max_tokens=min(params.max_tokens, self.context_length - len(prompt)), scope=scope,
                         boundaries=tuple(boundaries), root=root, tokens=list(prompt))
         self.counters["requests"] += 1

@@ -67,6 +67,7 @@ class Generation:
         tokens came after it (a verify yields several tokens a step) and are
         dropped, with their positions in the cache, as if never generated."""
         if unused > 0:
+            self.sampler.rollback(unused)
             del self.generated[-unused:]
             del self.tokens[-unused:]
             self.events = []

@@ -88,7 +88,7 @@ def test_chat_template_renders_gemma_turns(engine):
 
 @pytest.mark.parametrize("messages,message", [
     ([], "non-empty list"),
-    ([{"role": "robot", "content": "x"}], "role must be one of system, user, assistant"),
+    ([{"role": "robot", "content": "x"}], "role must be one of system, developer, user, assistant, tool"),
     ([{"role": "user"}], "must be an object with 'role' and 'content'"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "must alternate"),
 ])

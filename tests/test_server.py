@@ -106,6 +106,41 @@ def test_structured_outputs_follow_the_schema_whole_and_streamed(client, model_i
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city.",
+    "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}}}
+
+
+def test_an_agent_loop_calls_a_tool_reads_its_result_and_reuses_the_cached_prefix(client, model_id):
+    """With the official client: a required call (valid arguments, finish_reason
+    tool_calls), streamed fragments that reassemble to the same call, then
+    the tool's result sent back and answered from the cached prefix."""
+    import json
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    options = {"model": model_id, "tools": [WEATHER_TOOL], "max_tokens": 60, "temperature": 0,
+               "parallel_tool_calls": False}
+    whole = client.chat.completions.create(messages=messages, tool_choice="required", **options)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    chunks = list(client.chat.completions.create(messages=messages, tool_choice="required", stream=True, **options))
+    names, arguments, finish = {}, {}, None
+    for chunk in chunks:
+        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names[delta_call.index] = names.get(delta_call.index, "") + (delta_call.function.name or "")
+            arguments[delta_call.index] = arguments.get(delta_call.index, "") + (delta_call.function.arguments or "")
+        finish = chunk.choices[0].finish_reason if chunk.choices and chunk.choices[0].finish_reason else finish
+    assert finish == "tool_calls" and names == {0: "get_weather"} and arguments == {0: call.function.arguments}
+    history = messages + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18, "sky": "cloudy"}'}]
+    answer = client.chat.completions.create(messages=history, **options)
+    assert answer.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    assert answer.usage.prompt_tokens_details.cached_tokens > whole.usage.prompt_tokens // 2
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})
@@ -157,9 +192,18 @@ BAD = [
     ("top_p of 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ("top_p above 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("n of 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "'n' must be 1"),
-    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "'tools' is not supported"),
+    ("a tool with a bad name", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                        "tools": [{"type": "function", "function": {"name": "f g"}}]},
+     400, "letters, digits"),
+    ("a tool message without its call's id", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "5"}]}, 400, "tool_call_id"),
+    ("tool_choice naming no tool", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "not among the request's tools"),
+    ("arguments that are not JSON", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     "must be a JSON object"),
     ("a response_format of an unknown type", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400,
      "response_format.type must be 'text', 'json_object' or 'json_schema'"),

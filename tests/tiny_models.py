@@ -93,10 +93,13 @@ class RandomTensors:
         self.w.add_tensor(name, (around + self.rng.standard_normal(n) * spread).astype(np.float32))
 
 
-def new_writer(path: Path, arch: str, shape, context: int, rotary_dim: int) -> tuple[GGUFWriter, int]:
+def new_writer(path: Path, arch: str, shape, context: int, rotary_dim: int, chat_template: str | None = None,
+               extra_tokens: tuple[str, ...] = ()) -> tuple[GGUFWriter, int]:
     """A GGUF writer for ``arch`` with the sizes of ``shape`` (hidden, layers,
-    ffn, heads, kv_heads, head_dim) and the test vocabulary written; (writer, vocabulary size)."""
+    ffn, heads, kv_heads, head_dim) and the test vocabulary written (``extra_tokens``
+    appended as user-defined tokens, as ``<tool_call>`` is in Qwen's); (writer, vocabulary size)."""
     tokens, merges = bpe_vocabulary()
+    tokens = tokens + list(extra_tokens)
     s = shape
     w = GGUFWriter(str(path), arch)
     w.add_context_length(context)
@@ -113,7 +116,9 @@ def new_writer(path: Path, arch: str, shape, context: int, rotary_dim: int) -> t
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_types([3 if t in SPECIALS else 4 if t in extra_tokens else 1 for t in tokens])
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     w.add_token_merges(merges)
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
@@ -130,13 +135,14 @@ def finish_writer(w: GGUFWriter) -> None:
 
 def write_tiny_model(path: Path, arch: str, shape: Shape, seed: int,
                      qtype: GGMLQuantizationType = GGMLQuantizationType.F32, yarn: tuple[float, int] | None = None,
-                     rope_freqs: np.ndarray | None = None) -> Path:
+                     rope_freqs: np.ndarray | None = None, chat_template: str | None = None,
+                     extra_tokens: tuple[str, ...] = (), context: int = 256) -> Path:
     """A ``arch`` GGUF with random weights scaled so the logits are peaked;
     the projections stored as ``qtype``, norms and biases as F32. ``yarn``:
     (factor, original context) as ``rope.scaling.*``; ``rope_freqs``: llama3's
     per-frequency divisors as the ``rope_freqs.weight`` tensor."""
     s = shape
-    w, vocab = new_writer(path, arch, s, 256, s.head_dim)
+    w, vocab = new_writer(path, arch, s, context, s.head_dim, chat_template, extra_tokens)
     t = RandomTensors(w, np.random.default_rng(seed), qtype)
     weight, vector = t.weight, t.vector
     if yarn is not None:

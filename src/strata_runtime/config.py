@@ -12,6 +12,7 @@ from strata_kernels import KV_FORMATS
 
 from .files import DTYPE_NAMES, parse_devices, parse_layer_split
 from .speculation import check_settings
+from .text import TOOL_CALL_FORMATS
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class EngineConfig:
     spec: str = "off"  # speculative decoding: "suffix" (from the sequence's own earlier tokens), "draft", or "off"
     spec_tokens: int = 7  # draft tokens per verify at most (7: one sequence's verify stays on the CPU's GEMV)
     draft_model: str | None = None  # spec="draft": a GGUF sharing the target's vocabulary
+    tool_call_format: str = "auto"  # how the model writes tool calls: auto (read from its template) or a format
     cache_dir: str | None = None  # where the default model is assembled
     progress: bool = True  # progress bars while assembling and loading
 
@@ -65,6 +67,9 @@ class EngineConfig:
             raise ValueError("conversation_cache_dir needs conversation_cache_mib above 0: conversations come back "
                              "from disk through the staging pool")
         check_settings(self.spec, self.spec_tokens, self.draft_model)
+        if self.tool_call_format not in ("auto", *TOOL_CALL_FORMATS):
+            raise ValueError(f"tool_call_format must be auto or one of {', '.join(TOOL_CALL_FORMATS)}, "
+                             f"got {self.tool_call_format!r}")
         if self.kv not in KV_FORMATS:
             raise ValueError(f"kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         try:

@@ -29,14 +29,21 @@ from .models import build_model, check_vocabulary, forward_chunks, open_model
 from .scheduling import Completion, Constraint, Run, SamplingParams, reserve_scheduler, run_together
 from .state import KVCache, row_bytes, state_fingerprint
 from .text import (
+    AssistantReply,
     ChatTemplate,
     ChatTemplateError,
     GrammarCompiler,
     StopTextStream,
     Tokenizer,
+    ToolCalling,
+    ToolChoice,
     TurnMarker,
     chat_template_of,
+    detect_format,
+    normalize_messages,
+    normalize_tools,
     render_and_tokenize,
+    split_reasoning,
 )
 
 
@@ -237,47 +244,100 @@ class Engine:
         return iter(self._start(prompt, sampling, abort=abort, cache_scope=cache_scope))
 
     def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False,
-             abort: Callable[[], bool] | None = None, cache_scope: str = "", **sampling: Any):
-        """Generate the assistant's reply to ``messages`` through the model's chat template."""
-        run = self._chat_run(messages, sampling, abort, cache_scope)
+             abort: Callable[[], bool] | None = None, cache_scope: str = "", tools: Sequence[dict] | None = None,
+             tool_choice: Any = None, parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any):
+        """Generate the assistant's reply to ``messages`` (OpenAI-shaped:
+        tool calls and results, reasoning) through the model's chat template.
+        ``tools``/``tool_choice``/``parallel_tool_calls`` as OpenAI's; the
+        completion's ``reply`` holds the content, reasoning and tool calls read
+        back in the model's tool-call format. ``chat_template_kwargs``: other
+        variables the template reads (``{"enable_thinking": False}``)."""
+        run = self._chat_run(messages, sampling, abort, cache_scope, tools, tool_choice, parallel_tool_calls,
+                             chat_template_kwargs)
         if stream:
             return iter(run)
         for _ in run:
             pass
         return run.completion
 
+    @property
+    def tool_call_format(self) -> str:
+        """The tool-call format requests use (``config.tool_call_format``, or the template's)."""
+        if self.config.tool_call_format != "auto":
+            return self.config.tool_call_format
+        return detect_format(self.chat_template.source if self.chat_template is not None else None)
+
     def _chat_run(self, messages: Sequence[dict[str, Any]], sampling: dict[str, Any],
-                  abort: Callable[[], bool] | None, cache_scope: str) -> "Run":
-        prompt = self.chat_prompt(messages, abort=abort)
+                  abort: Callable[[], bool] | None, cache_scope: str, tools: Sequence[dict] | None = None,
+                  tool_choice: Any = None, parallel_tool_calls: bool = True,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> "Run":
+        messages = normalize_messages(messages)
+        tools = normalize_tools(tools)
+        names = [t["function"]["name"] for t in tools or []]
+        if not isinstance(parallel_tool_calls, bool):
+            raise RequestTypeError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}")
+        calling = ToolCalling(self.tool_call_format, tools, ToolChoice.of(tool_choice, names), parallel_tool_calls,
+                              self.tokenizer)
+        grammar = calling.grammar()
+        if grammar is not None:
+            if sampling.get("grammar") is not None:
+                raise RequestError("give tools or a grammar (response_format), not both")
+            sampling = {**sampling, "grammar": grammar}
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise RequestTypeError("chat_template_kwargs must be a dict of the template's variables")
+        prompt = self.chat_prompt(calling.template_messages(messages), abort=abort, tools=calling.template_tools(),
+                                  chat_template_kwargs=chat_template_kwargs)
         # Turn boundaries are where a returning conversation diverges: checkpoint there.
         boundaries = [] if self.conversations is None or self._turns is None else self._turns.boundaries(prompt)
         root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None
-        return self._start(prompt, sampling, boundaries, root=root, abort=abort, cache_scope=cache_scope)
+        run = self._start(prompt, sampling, boundaries, root=root, abort=abort, cache_scope=cache_scope)
+        # A template that opens the reasoning itself (the prompt ends in <think>): the reply starts inside it.
+        opened = self.tokenizer.decode(prompt[-3:], special=True).rstrip().endswith("<think>")
+
+        def read_reply(tokens: list[int], text: str) -> AssistantReply:
+            if grammar is None:  # no calls to read: the text as decoded (stop strings cut), reasoning split off
+                reasoning, content = split_reasoning(text, opened)
+                return AssistantReply(content, reasoning)
+            # Calls are read with their marker tokens spelled out.
+            return calling.parse(self.tokenizer.decode(tokens, special=True), opened)
+
+        run.read_reply = read_reply
+        return run
 
     def submit(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
-               abort: Callable[[], bool] | None = None, cache_scope: str = "", **sampling: Any) -> "Run":
-        """Queue one generation (a ``prompt``, or chat ``messages``) and return
-        its ``Run`` without stepping: whoever drives ``scheduler.step()`` (a
-        server's loop) takes its text with ``run.pump()`` until
-        ``run.completion`` is set. ``QueueFull`` where the waiting queue is at
-        its bound. Arguments are checked here, as ``generate``/``chat`` check them."""
+               abort: Callable[[], bool] | None = None, cache_scope: str = "", tools: Sequence[dict] | None = None,
+               tool_choice: Any = None, parallel_tool_calls: bool = True,
+               chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> "Run":
+        """Queue one generation (a ``prompt``, or chat ``messages`` with
+        ``chat``'s tool arguments) and return its ``Run`` without stepping:
+        whoever drives ``scheduler.step()`` (a server's loop) takes its text
+        with ``run.pump()`` until ``run.completion`` is set. ``QueueFull``
+        where the waiting queue is at its bound. Arguments are checked here,
+        as ``generate``/``chat`` check them."""
         if (prompt is None) == (messages is None):
             raise RequestTypeError("give a prompt or messages, not both")
-        run = (self._chat_run(messages, dict(sampling), abort, cache_scope) if messages is not None
+        if messages is None and (tools is not None or tool_choice is not None or chat_template_kwargs is not None):
+            raise RequestTypeError("tools, tool_choice and chat_template_kwargs go with messages, not a prompt")
+        run = (self._chat_run(messages, dict(sampling), abort, cache_scope, tools, tool_choice, parallel_tool_calls,
+                              chat_template_kwargs) if messages is not None
                else self._start(prompt, dict(sampling), abort=abort, cache_scope=cache_scope))
         run.submit(bounded=True)
         return run
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    abort: Callable[[], bool] | None = None) -> list[int]:
-        """The prompt tokens of ``messages``: control tokens come from the
-        template only; a control token's text inside a message stays text."""
+                    abort: Callable[[], bool] | None = None, tools: Sequence[dict] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt tokens of ``messages`` (and ``tools``, as the template
+        writes them): control tokens come from the template only; a control
+        token's text inside anything a client sent stays text."""
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"{self.gguf.path} has no chat template (tokenizer.chat_template); use generate() with a plain prompt"
             )
-        return render_and_tokenize(self.chat_template, self.tokenizer, messages, add_generation_prompt,
-                                   self._check_chars, abort)
+        return render_and_tokenize(self.chat_template, self.tokenizer, normalize_messages(messages),
+                                   add_generation_prompt, self._check_chars, abort, tools=normalize_tools(tools),
+                                   variables=chat_template_kwargs)
 
     def _stages(self) -> list[dict[str, Any]]:
         """A split's stages (none on one device): each one's device and first and last layer."""
@@ -297,6 +357,7 @@ class Engine:
             "max_prompt_chars": self.max_prompt_chars(),
             "model_context_length": c.context_length,
             "vocab_size": self.tokenizer.vocab.size,
+            "tool_call_format": self.tool_call_format,
             "experts": (None if (e := c.experts()) is None else {"count": e.count, "per_token": e.per_token}),
             "dtype": self.model.compute_path.name,
             "compute_path": self._compute_path_state(),

@@ -70,6 +70,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="with --spec draft: a GGUF sharing the model's vocabulary (a smaller or lower-bit one)")
     g.add_argument("--spec-tokens", type=_positive_int, default=7,
                    help="draft tokens checked per step at most, 1-15 (default 7)")
+    g.add_argument("--tool-call-format", default="auto", choices=["auto", "hermes", "llama3", "mistral", "generic"],
+                   help="how the model writes tool calls: auto reads it from the chat template (hermes <tool_call> "
+                        "blocks, llama3 JSON, mistral [TOOL_CALLS], generic: a JSON reply for templates without "
+                        "tools); name one where a template's family is not recognized (default auto)")
     c = p.add_argument_group("conversation cache")
     c.add_argument("--conversation-cache-mib", type=_whole, default=1024,
                    help="host staging pool for parked conversations, reserved at start (0: none)")
@@ -148,7 +152,7 @@ SAMPLING_OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
 ENGINE_OPTIONS = ("dtype", "device", "kv", "context_length", "threads", "parallel", "kv_memory_mib",
                   "conversation_cache_mib", "conversation_cache_slots", "min_free_mib", "checkpoint_every", "devices",
                   "conversation_cache_dir", "conversation_cache_disk_mib",
-                  "layer_split", "rank_timeout_s", "spec", "spec_tokens", "draft_model")
+                  "layer_split", "rank_timeout_s", "spec", "spec_tokens", "draft_model", "tool_call_format")
 
 
 def _fault(text: str) -> str:

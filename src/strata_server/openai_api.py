@@ -7,6 +7,7 @@ that says so, never silently ignored.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -26,15 +27,15 @@ _COMMON = {"model", "max_tokens", "stream", "stream_options", "stop", "n", "user
 _IGNORED = {"user", "metadata", "store"}
 # Known OpenAI fields this server does not implement; "off" values are accepted.
 _UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "parallel_tool_calls": (None,), "audio": (None,),
+    "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""),
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
+                         "parallel_tool_calls", "chat_template_kwargs"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-ROLES = {"system", "developer", "user", "assistant"}
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -79,12 +80,37 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    parsed = [_message(m, i) for i, m in enumerate(messages)]
-    # The template adds text; it never makes the contents shorter than they are.
-    limits.check_chars(sum(len(m["content"]) for m in parsed))
-    command = {"kind": "chat", "messages": parsed, **_common(body, models, limits)}
+    from strata_runtime.errors import RequestError
+    from strata_runtime.text import ToolChoice, normalize_messages, normalize_tools
+    from strata_runtime.text.messages import contents_length
+
+    try:
+        normalized = normalize_messages(messages)
+        tools = normalize_tools(body.get("tools"))
+        choice = ToolChoice.of(body.get("tool_choice"), [t["function"]["name"] for t in tools or []])
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, f"'parallel_tool_calls' must be true or false, got {_show(parallel)}")
+    variables = body.get("chat_template_kwargs")
+    if variables is not None and (not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables)):
+        raise ApiError(400, "'chat_template_kwargs' must be an object of the template's variables, such as "
+                            "{\"enable_thinking\": false}")
+    # The template adds text; it never makes the contents (or the tools) shorter than they are.
+    limits.check_chars(contents_length(normalized) + len(json.dumps(tools or [])))
+    command = {"kind": "chat", "messages": messages, **_common(body, models, limits)}
+    if tools:
+        command["tools"], command["tool_choice"] = tools, body.get("tool_choice")
+        command["parallel_tool_calls"] = parallel
+    if variables:
+        command["chat_template_kwargs"] = variables
+    # Calls are read back from the whole reply: a stream holds its text until the end.
+    command["tool_calls"] = bool(tools) and choice.mode != "none"
     grammar = response_format_grammar(body.get("response_format"))
     if grammar is not None:
+        if command["tool_calls"]:
+            raise ApiError(400, "give 'tools' or a 'response_format' schema, not both (or set tool_choice to 'none')")
         command["sampling"]["grammar"] = grammar
     return command
 
@@ -155,31 +181,6 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     if unknown:
         raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; "
                             f"this endpoint accepts {', '.join(sorted(allowed))}", code="unknown_parameter")
-
-
-def _message(m: Any, i: int) -> dict[str, str]:
-    if not isinstance(m, dict):
-        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'")
-    role = m.get("role")
-    if not isinstance(role, str):
-        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {_show(role)}")
-    if role == "tool" or "tool_calls" in m:
-        raise ApiError(400, f"messages[{i}]: tool messages and tool calls are not supported by this server",
-                       code="unsupported_parameter")
-    if role not in ROLES:
-        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got {_show(role)}")
-    content = m.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported "
-                                    f"({{'type': 'text', 'text': ...}}); images and audio are not")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string, got {type(content).__name__}")
-    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _common(body: dict[str, Any], models: set[str], limits: PromptLimits) -> dict[str, Any]:
@@ -284,7 +285,7 @@ class Reply:
 
     def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": 0, "message": message_of(text, done.get("reply")),
                       "finish_reason": done["finish_reason"], "logprobs": None}
             out = self._envelope("chat.completion", [choice])
         else:
@@ -303,9 +304,37 @@ class Reply:
         return self._envelope("text_completion",
                               [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
 
+    def reply_chunks(self, done: dict[str, Any]) -> list[dict[str, Any]]:
+        """A held-back reply (tool calls are read from the whole of it) as
+        deltas: reasoning, content, then each call whole, keyed by index."""
+        reply, out = done.get("reply") or {}, []
+        for key in ("reasoning_content", "content"):
+            if reply.get(key):
+                out.append(self._delta({key: reply[key]}))
+        for i, call in enumerate(reply.get("tool_calls") or []):
+            out.append(self._delta({"tool_calls": [{"index": i, **call}]}))
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None,
+                                                         "logprobs": None}])
+
     def usage_chunk(self, done: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._envelope(obj, []), "usage": usage(done)}
+
+
+def message_of(text: str, reply: dict[str, Any] | None) -> dict[str, Any]:
+    """The assistant message: the engine's reading of the reply (content,
+    reasoning, tool calls) where it made one, else the text."""
+    if reply is None:
+        return {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": reply.get("content")}
+    if reply.get("reasoning_content"):
+        message["reasoning_content"] = reply["reasoning_content"]
+    if reply.get("tool_calls"):
+        message["tool_calls"] = reply["tool_calls"]
+    return message
 
 
 def usage(done: dict[str, Any]) -> dict[str, Any]:

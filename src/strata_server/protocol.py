@@ -4,7 +4,9 @@ Several requests may be in flight at once (up to the engine's ``parallel``);
 their events interleave, each naming its request.
 
 Supervisor to engine (the engine's stdin):
-    {"op": "generate", "id": N, "kind": "chat", "messages": [...], "sampling": {...}, "cache_scope": "..."}
+    {"op": "generate", "id": N, "kind": "chat", "messages": [...], "sampling": {...}, "cache_scope": "...",
+     "tools": [...], "tool_choice": ..., "parallel_tool_calls": bool, "chat_template_kwargs": {...}}
+     (the last four only where the request has them; sampling may hold a "grammar")
     {"op": "generate", "id": N, "kind": "completion", "prompt": "..." | [ids], "sampling": {...},
      "cache_scope": "..."}     (cache_scope: requests share cached prefixes only within one scope)
     {"op": "cancel", "id": N}          stop request N at the engine's next step
@@ -16,8 +18,9 @@ engine's fd 1 is pointed at stderr so a stray print cannot corrupt a line):
     {"ev": "ready", "pid": P, "props": {...}, "stats": {...}}
     {"ev": "pong", "seq": N}
     {"ev": "piece", "id": N, "text": "..."}
-    {"ev": "done", "id": N, "finish_reason": "stop" | "length" | "cancelled",
-     "prompt_tokens": n, "completion_tokens": n, "cached_tokens": n, "stats": {...}, "scheduler": {...}}
+    {"ev": "done", "id": N, "finish_reason": "stop" | "tool_calls" | "length" | "cancelled",
+     "prompt_tokens": n, "completion_tokens": n, "cached_tokens": n, "stats": {...}, "scheduler": {...},
+     "reply": {"content": ..., "reasoning_content": ..., "tool_calls": [...]} | null}  (a chat's reply read back)
     {"ev": "state", "scheduler": {...}, "slots": [...]}   after steps (at most every 0.25 s while busy)
     {"ev": "error", "id": N, "status": 400, "type": "...", "code": "...", "message": "..."}
     {"ev": "fatal", "message": "..."}  the engine could not start; it exits next

@@ -178,7 +178,9 @@ class Requests:
         self.progress.begin(len(json.dumps(text)) // 4, [rid])
         try:
             if command["kind"] == "chat":
-                run = self.engine.submit(messages=command["messages"], **options)
+                tools = {k: command[k] for k in ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+                         if k in command}
+                run = self.engine.submit(messages=command["messages"], **options, **tools)
             else:
                 run = self.engine.submit(command["prompt"], **options)
         except Cancelled as e:
@@ -283,7 +285,12 @@ def _step_tokens(scheduler) -> int:
 def _send_done(channel: Channel, rid: int, engine, completion) -> None:
     """``completion`` None: the request was cancelled before it started."""
     c = completion
-    channel.send(ev="done", id=rid, finish_reason="cancelled" if c is None else c.finish_reason,
+    reply = None
+    if c is not None and c.reply is not None:
+        r = c.reply
+        reply = {"content": r.content, "reasoning_content": r.reasoning,
+                 "tool_calls": [call.as_openai() for call in r.tool_calls]}
+    channel.send(ev="done", id=rid, finish_reason="cancelled" if c is None else c.finish_reason, reply=reply,
                  prompt_tokens=0 if c is None else c.prompt_tokens,
                  completion_tokens=0 if c is None else c.completion_tokens,
                  cached_tokens=0 if c is None else c.cached_tokens, stats=engine.stats(),

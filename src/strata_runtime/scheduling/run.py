@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from ..errors import Cancelled
-from ..text import StopTextStream
+from ..text import AssistantReply, StopTextStream
 from .constraint import Constraint
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -20,8 +20,9 @@ from .sequence import Generation
 class Completion:
     """One finished generation. ``tokens`` are the generated ids (an
     end-of-generation token is not included); ``finish_reason`` is ``"stop"``
-    (EOS or a stop string), ``"length"`` (max_tokens or the context ran out)
-    or ``"cancelled"`` (the stream was closed before it ended)."""
+    (EOS or a stop string), ``"tool_calls"`` (a chat reply that ended in tool
+    calls), ``"length"`` (max_tokens or the context ran out: never tool calls,
+    whatever the text held) or ``"cancelled"`` (the stream was closed before it ended)."""
 
     text: str
     tokens: list[int]
@@ -30,6 +31,7 @@ class Completion:
     cached_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    reply: AssistantReply | None = None  # a chat's reply read back: content, reasoning, tool calls
 
     @property
     def completion_tokens(self) -> int:
@@ -69,6 +71,8 @@ class Run:
         self.seq: Generation | None = None
         self.text = text
         self.started = 0.0
+        # A chat's: (generated tokens, text) -> AssistantReply (set by the engine, None for a plain prompt).
+        self.read_reply: Callable[[list[int], str], AssistantReply] | None = None
 
     def submit(self, bounded: bool = False) -> Generation:
         """Queue this generation (``bounded``: subject to the waiting queue's bound)."""
@@ -96,10 +100,17 @@ class Run:
     def _complete(self) -> None:
         seq, end = self.seq, time.perf_counter()
         first = seq.first_token_at or end
+        finish, reply = seq.finish_reason or "length", None
+        if self.read_reply is not None:
+            reply = self.read_reply(list(seq.generated), self.text.emitted)
+            if finish == "stop" and reply.tool_calls:
+                finish = "tool_calls"
+            elif reply.tool_calls:  # cut off (length, cancelled): what it held is text, not calls to make
+                reply = AssistantReply(self.text.emitted, None)
         self.completion = Completion(text=self.text.emitted, tokens=list(seq.generated),
-                                     finish_reason=seq.finish_reason or "length", prompt_tokens=len(self.prompt),
+                                     finish_reason=finish, prompt_tokens=len(self.prompt),
                                      cached_tokens=seq.cached_tokens, prefill_seconds=max(0.0, first - self.started),
-                                     decode_seconds=max(0.0, end - first))
+                                     decode_seconds=max(0.0, end - first), reply=reply)
         if self.on_complete is not None:
             self.on_complete(self.completion)
 

@@ -5,10 +5,22 @@ grammars compiled against the vocabulary (constrained decoding)."""
 from .chat_prompt import TurnMarker, chat_template_of, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
 from .grammar import Grammar, GrammarCompiler, GrammarError
+from .messages import normalize_messages, normalize_tools
+from .tool_calls import FORMATS as TOOL_CALL_FORMATS
+from .tool_calls import AssistantReply, ToolCall, ToolCalling, ToolChoice, detect_format, split_reasoning
 from .stream import StopTextStream
 from .tokenizer import Tokenizer
 
 __all__ = [
+    "AssistantReply",
+    "TOOL_CALL_FORMATS",
+    "ToolCall",
+    "ToolCalling",
+    "ToolChoice",
+    "detect_format",
+    "normalize_messages",
+    "normalize_tools",
+    "split_reasoning",
     "ChatTemplate",
     "ChatTemplateError",
     "Grammar",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .chat_template import ChatTemplate
+from .messages import map_strings, strings_of
 from .tokenizer import CONTROL, UNKNOWN, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -115,16 +116,19 @@ class TurnMarker:
 
 def render_and_tokenize(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                         add_generation_prompt: bool, check_chars: Callable[[int], None],
-                        abort: Callable[[], bool] | None = None) -> list[int]:
-    """The prompt tokens of ``messages``: control tokens from the template only.
+                        abort: Callable[[], bool] | None = None, tools: Sequence[dict[str, Any]] | None = None,
+                        variables: dict[str, Any] | None = None) -> list[int]:
+    """The prompt tokens of ``messages`` (and ``tools``, and the template's
+    other ``variables``): control tokens from the template only. Every
+    string a client sent is guarded, contents and tool calls' arguments,
+    tool results, reasoning and the tools' own descriptions alike.
 
     ``check_chars`` sees the rendered length before any tokenizing (it raises
     when the text cannot fit)."""
-    contents = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
-    guard = ControlTextGuard(tokenizer, contents, template.source + template.bos_token + template.eos_token)
-    protected = [{**m, "content": guard.protect(m["content"])} if isinstance(m, dict) and isinstance(m.get("content"), str)
-                 else m for m in messages]
-    text = template.render(protected, add_generation_prompt=add_generation_prompt)
+    sent = [messages, tools or []]
+    guard = ControlTextGuard(tokenizer, strings_of(sent), template.source + template.bos_token + template.eos_token)
+    messages, tools = map_strings(messages, guard.protect), map_strings(tools, guard.protect)
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **(variables or {}))
     check_chars(len(text))
     ids = tokenizer.encode(text, add_bos=False, special=True, unescape=guard.restore, abort=abort)
     bos = tokenizer.bos_id

@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from tiny_models import Shape, write_tiny_model
 
 import strata_runtime
-from strata_runtime.text import ChatTemplate, ToolCalling, ToolChoice, normalize_messages, normalize_tools
+from strata_runtime.text import (
+    ChatTemplate,
+    ReplyStream,
+    ToolCalling,
+    ToolChoice,
+    normalize_messages,
+    normalize_tools,
+)
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -218,6 +225,51 @@ def test_any_reply_text_parses_without_raising(text):
         reply = ToolCalling(fmt, normalize_tools(TOOLS), ToolChoice("auto"), True, tokenizer).parse(text)
         for call in reply.tool_calls:
             assert call.name in SCHEMAS and isinstance(json.loads(call.arguments), dict)
+
+
+def _assemble(deltas) -> tuple:
+    """A streamed reply put back together: (content, reasoning, [(name, arguments)])."""
+    content, reasoning, calls = "", "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        reasoning += d.get("reasoning_content", "")
+        if "tool_call" in d:
+            calls[d["tool_call"]["index"]] = [d["tool_call"]["name"], ""]
+        if "tool_arguments" in d:
+            calls[d["tool_arguments"]["index"]][1] += d["tool_arguments"]["text"]
+    return content or None, reasoning or None, [tuple(v) for _, v in sorted(calls.items())]
+
+
+STREAMED = [(fmt, prefix + text) for fmt, (text, _) in CASES.items()
+            for prefix in ("", "<think>\nfirst, the weather\n</think>\n\n", "Some words first. \n")
+            if not (prefix.startswith("Some") and fmt in ("llama3", "generic"))]
+STREAMED += [("generic", '{"response": "Line one\\nand \\u00e9 \\"quoted\\" \\\\ end"}'),
+             (None, "<think>\nhmm\n\n</think>\n\nHello there\n"), (None, "<thi plain text <think>")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(STREAMED), st.lists(st.integers(1, 7), min_size=1, max_size=400))
+def test_a_reply_read_as_it_streams_equals_the_whole_reading(case, cuts):
+    """Any cutting of a reply into pieces gives deltas that put back together
+    equal ``parse`` of the whole: content, reasoning, call names and the
+    arguments' text; a call's name goes out once, before its arguments."""
+    fmt, text = case
+    calling = ToolCalling(fmt or "hermes", normalize_tools(TOOLS), ToolChoice("auto" if fmt else "none"), True,
+                          _PARSER_TOKENIZER[0])
+    whole = calling.parse(text)
+    stream, deltas, i = ReplyStream(calling), [], 0
+    for n in cuts:
+        deltas += stream.feed(text[i:i + n])
+        i += n
+    deltas += stream.feed(text[i:]) + stream.finish()
+    assert _assemble(deltas) == (whole.content, whole.reasoning, [(c.name, c.arguments) for c in whole.tool_calls])
+    started = set()
+    for d in deltas:
+        if "tool_call" in d:
+            assert d["tool_call"]["index"] not in started
+            started.add(d["tool_call"]["index"])
+        if "tool_arguments" in d:
+            assert d["tool_arguments"]["index"] in started
 
 
 _PARSER_TOKENIZER: list = []

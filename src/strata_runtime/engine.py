@@ -33,6 +33,7 @@ from .text import (
     ChatTemplate,
     ChatTemplateError,
     GrammarCompiler,
+    ReplyStream,
     StopTextStream,
     Tokenizer,
     ToolCalling,
@@ -303,6 +304,8 @@ class Engine:
             return calling.parse(self.tokenizer.decode(tokens, special=True), opened)
 
         run.read_reply = read_reply
+        run.reply_stream = ReplyStream(calling, opened)
+        run.special_text = StopTextStream(self.tokenizer.stream_decoder(special=True), run.params.stop)
         return run
 
     def submit(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,

@@ -107,8 +107,7 @@ class _Api:
             await events.aclose()
             raise first[1]
         if command["stream"]:
-            return _EventStream(self._sse(reply, first, events, command["include_usage"],
-                                          hold=command.get("tool_calls", False)))
+            return _EventStream(self._sse(reply, first, events, command["include_usage"]))
         text: list[str] = []
         try:
             event = first
@@ -118,7 +117,8 @@ class _Api:
                     raise value
                 if kind == "done":
                     return JSONResponse(reply.whole("".join(text), value))
-                text.append(value)
+                if kind == "piece":
+                    text.append(value)
                 event = await events.__anext__()
             return Response(status_code=499)
         finally:
@@ -150,7 +150,7 @@ class _Api:
                 if kind == "done":
                     self._record(value, first_piece)
                 yield kind, value
-                if kind != "piece":
+                if kind not in ("piece", "deltas"):
                     return
         finally:
             gone.cancel()
@@ -165,24 +165,24 @@ class _Api:
         if first_piece is not None and done["completion_tokens"] > 1:
             self.metrics.per_token.observe((time.perf_counter() - first_piece) / (done["completion_tokens"] - 1))
 
-    async def _sse(self, reply: openai_api.Reply, first, events, include_usage: bool,
-                   hold: bool = False) -> AsyncIterator[bytes]:
-        """``hold``: the text is held back and sent as the engine read it at the
-        end (content, reasoning and tool calls), for a request with tools."""
+    async def _sse(self, reply: openai_api.Reply, first, events, include_usage: bool) -> AsyncIterator[bytes]:
+        """A chat streams its reply as the engine reads it (``deltas``: content,
+        reasoning, tool calls); a completion streams its text."""
         yield _sse_data(reply.chunk(first=True))
         event = first
         while event is not None:
             kind, value = event
-            if kind == "piece":
-                if not hold:
+            if kind == "deltas":
+                for delta in value:
+                    yield _sse_data(reply.delta_chunk(delta))
+            elif kind == "piece":
+                if reply.kind != "chat":
                     yield _sse_data(reply.chunk(text=value))
             elif kind == "error":
                 # Headers are gone already: the error travels as an event.
                 yield _sse_data(value.body())
                 return
             else:
-                for chunk in reply.reply_chunks(value) if hold else ():
-                    yield _sse_data(chunk)
                 final = reply.chunk(finish_reason=value["finish_reason"])
                 final["usage"] = openai_api.usage(value)
                 yield _sse_data(final)

@@ -105,11 +105,9 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
         command["parallel_tool_calls"] = parallel
     if variables:
         command["chat_template_kwargs"] = variables
-    # Calls are read back from the whole reply: a stream holds its text until the end.
-    command["tool_calls"] = bool(tools) and choice.mode != "none"
     grammar = response_format_grammar(body.get("response_format"))
     if grammar is not None:
-        if command["tool_calls"]:
+        if tools and choice.mode != "none":
             raise ApiError(400, "give 'tools' or a 'response_format' schema, not both (or set tool_choice to 'none')")
         command["sampling"]["grammar"] = grammar
     return command
@@ -304,16 +302,19 @@ class Reply:
         return self._envelope("text_completion",
                               [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
 
-    def reply_chunks(self, done: dict[str, Any]) -> list[dict[str, Any]]:
-        """A held-back reply (tool calls are read from the whole of it) as
-        deltas: reasoning, content, then each call whole, keyed by index."""
-        reply, out = done.get("reply") or {}, []
-        for key in ("reasoning_content", "content"):
-            if reply.get(key):
-                out.append(self._delta({key: reply[key]}))
-        for i, call in enumerate(reply.get("tool_calls") or []):
-            out.append(self._delta({"tool_calls": [{"index": i, **call}]}))
-        return out
+    def delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """One delta of a chat's reply (``strata_runtime.text.reply_stream``) as a chunk: a call's
+        id, type and name once, then its arguments' text as the model writes it, keyed by index."""
+        if "tool_call" in delta:
+            call = delta["tool_call"]
+            body = {"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
+                                    "function": {"name": call["name"], "arguments": ""}}]}
+        elif "tool_arguments" in delta:
+            part = delta["tool_arguments"]
+            body = {"tool_calls": [{"index": part["index"], "function": {"arguments": part["text"]}}]}
+        else:
+            body = delta  # {"content": ...} or {"reasoning_content": ...}
+        return self._delta(body)
 
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None,

@@ -65,7 +65,8 @@ class Job:
     """One request from arrival to its last event.
 
     Invariant: a job is in the waiting queue, or is in flight (sent to the
-    engine), or is finished; ``events`` gets ``("piece", text)`` items and then exactly one
+    engine), or is finished; ``events`` gets ``("piece", text)`` items (a chat's each after its
+    ``("deltas", [...])``: content, reasoning and tool calls read so far) and then exactly one
     ``("done", message)`` or ``("error", ApiError)``."""
 
     id: int
@@ -458,6 +459,8 @@ class Supervisor(ExitAccounting):
             if job is None:
                 return
             if kind == "piece":
+                if event.get("deltas"):  # a chat's reply read so far, ahead of the text it came with
+                    job.events.put_nowait(("deltas", event["deltas"]))
                 job.events.put_nowait(("piece", event["text"]))
                 return
             if kind == "done":

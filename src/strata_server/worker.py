@@ -246,8 +246,10 @@ class Requests:
                 del self.active[rid]
                 self._internal_error(rid, e)
                 continue
-            if piece:
-                self.channel.send(ev="piece", id=rid, text=piece)
+            deltas = run.take_deltas()
+            if piece or deltas:
+                # A chat's pieces carry its reply read so far (content, reasoning, tool calls).
+                self.channel.send(ev="piece", id=rid, text=piece, **({"deltas": deltas} if deltas else {}))
             if run.completion is not None:
                 del self.active[rid]
                 self.cancelled.discard(rid)

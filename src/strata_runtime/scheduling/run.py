@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from ..errors import Cancelled
-from ..text import AssistantReply, StopTextStream
+from ..text import AssistantReply, ReplyStream, StopTextStream
 from .constraint import Constraint
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -71,8 +71,13 @@ class Run:
         self.seq: Generation | None = None
         self.text = text
         self.started = 0.0
-        # A chat's: (generated tokens, text) -> AssistantReply (set by the engine, None for a plain prompt).
+        # A chat's (set by the engine; None for a plain prompt): (generated tokens, text) -> AssistantReply,
+        # and its reading as it goes: the text with control tokens spelled (cut at the same stop strings) fed
+        # to a ReplyStream, whose deltas wait in ``_deltas`` for ``take_deltas``.
         self.read_reply: Callable[[list[int], str], AssistantReply] | None = None
+        self.reply_stream: ReplyStream | None = None
+        self.special_text: StopTextStream | None = None
+        self._deltas: list[dict] = []
 
     def submit(self, bounded: bool = False) -> Generation:
         """Queue this generation (``bounded``: subject to the waiting queue's bound)."""
@@ -89,13 +94,23 @@ class Run:
         taken = seq.take()
         for i, token in enumerate(taken):
             out.append(text.push(token))
+            if self.reply_stream is not None:
+                self._deltas += self.reply_stream.feed(self.special_text.push(token))
             if text.stopped:
                 seq.stop(unused=len(taken) - 1 - i)
                 break
         if seq.done and self.completion is None:
             out.append(text.finish())
+            if self.reply_stream is not None:
+                self._deltas += self.reply_stream.feed(self.special_text.finish())
+                self._deltas += self.reply_stream.finish()
             self._complete()
         return "".join(out)
+
+    def take_deltas(self) -> list[dict]:
+        """The reply's deltas since the last call (a chat's; see ``text.reply_stream``)."""
+        out, self._deltas = self._deltas, []
+        return out
 
     def _complete(self) -> None:
         seq, end = self.seq, time.perf_counter()

@@ -6,6 +6,7 @@ from .chat_prompt import TurnMarker, chat_template_of, render_and_tokenize
 from .chat_template import ChatTemplate, ChatTemplateError
 from .grammar import Grammar, GrammarCompiler, GrammarError
 from .messages import normalize_messages, normalize_tools
+from .reply_stream import ReplyStream
 from .tool_calls import FORMATS as TOOL_CALL_FORMATS
 from .tool_calls import AssistantReply, ToolCall, ToolCalling, ToolChoice, detect_format, split_reasoning
 from .stream import StopTextStream
@@ -13,6 +14,7 @@ from .tokenizer import Tokenizer
 
 __all__ = [
     "AssistantReply",
+    "ReplyStream",
     "TOOL_CALL_FORMATS",
     "ToolCall",
     "ToolCalling",

@@ -335,8 +335,8 @@ class Tokenizer:
             text = text[1:]
         return text
 
-    def stream_decoder(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream_decoder(self, special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, special)
 
     def _end_of_generation_ids(self) -> list[int]:
         out = [] if self.vocab.eos_id is None else [self.vocab.eos_id]
@@ -351,13 +351,14 @@ class StreamDecoder:
     """Turns tokens into text as they arrive, holding back the bytes of a UTF-8
     character split across tokens until it is complete."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
         self._tokenizer = tokenizer
+        self._special = special  # control tokens spelled out (where a reply's markers are read)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._started = False
 
     def push(self, token: int) -> str:
-        text = self._utf8.decode(self._tokenizer.token_bytes(token))
+        text = self._utf8.decode(self._tokenizer.token_bytes(token, self._special))
         if not self._started and text:
             self._started = True
             if self._tokenizer.vocab.add_space_prefix and text.startswith(" "):

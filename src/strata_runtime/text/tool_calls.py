@@ -102,7 +102,7 @@ class AssistantReply:
     tool_calls: tuple[ToolCall, ...] = field(default_factory=tuple)
 
 
-def _call_id(fmt: str) -> str:
+def call_id(fmt: str) -> str:
     # Mistral's template refuses ids that are not 9 letters and digits.
     if fmt == "mistral":
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
@@ -331,7 +331,7 @@ class ToolCalling:
         known = {t["function"]["name"] for t in self.tools}
         if not isinstance(name, str) or name not in known or obj_text[begin] != "{":
             return None
-        return ToolCall(_call_id(self.format), name, obj_text[begin:end])
+        return ToolCall(call_id(self.format), name, obj_text[begin:end])
 
     def _parse_hermes(self, text: str) -> tuple[str, list[ToolCall]]:
         first = text.find("<tool_call>")

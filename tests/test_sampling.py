@@ -190,3 +190,20 @@ def test_an_extreme_repetition_penalty_stays_finite():
     assert torch.isfinite(penalized).all()
     sampler = Sampler(params)
     assert {sampler(LOGITS, [2]) for _ in range(50)} == {2}
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    assert Sampler(SamplingParams(temperature=0, logit_bias={0: -100}))(logits, []) == 1
+    assert Sampler(SamplingParams(temperature=0, logit_bias={"3": 100}))(logits, []) == 3  # JSON's string keys
+    draws = {Sampler(SamplingParams(temperature=1.0, seed=s, top_k=0, top_p=1.0, min_p=0.0,
+                                    logit_bias={0: -100, 1: -100}))(logits, []) for s in range(40)}
+    assert draws == {2, 3}
+
+
+@pytest.mark.parametrize("bias,message", [({"x": 1}, "token ids"), ({1: 101}, r"\[-100, 100\]"),
+                                          ({-1: 5}, "token ids"), ({1: True}, r"\[-100, 100\]"),
+                                          ({i: 1 for i in range(301)}, "at most 300")])
+def test_a_bad_logit_bias_is_refused_naming_the_entry(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)

@@ -215,6 +215,10 @@ BAD = [
      {"messages": [{"role": "user", "content": "x"}], "response_format": {
          "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array", "uniqueItems": True}}}},
      400, "uniqueItems"),
+    ("a logit_bias for a token past the vocabulary", "/v1/completions",
+     {"prompt": "x", "logit_bias": {"999999": 5}}, 400, "the vocabulary has"),
+    ("a logit_bias out of range", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 500}}, 400, "[-100, 100]"),
     ("an unknown field", "/v1/completions", {"prompt": "x", "temprature": 0.1}, 400, "unknown field(s) 'temprature'"),
     ("an unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "is not served here"),
     ("a prompt longer than the context", "/v1/completions", {"prompt": LONG, "max_tokens": 2}, 400,

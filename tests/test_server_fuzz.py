@@ -50,6 +50,9 @@ COMMON = {
     "n": st.sampled_from([1, 1, 0, 2]),
     "cache_salt": TEXT,
     "logprobs": st.sampled_from([None, False, True]),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-3, 300_000).map(str), TEXT),
+                                            st.one_of(st.floats(-150, 150), st.booleans(), TEXT), max_size=3),
+                            ANY_JSON),
 }
 # JSON schemas, some well formed, some not (unknown types, keywords the decoder cannot enforce, any JSON).
 SCHEMA = st.recursive(

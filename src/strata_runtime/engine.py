@@ -452,6 +452,9 @@ class Engine:
         ids = self._check_tokens(ids)
         if len(ids) >= self.context_length:
             raise ContextLengthError(len(ids), self.context_length)
+        far = [t for t, _ in params.logit_bias if t >= self.tokenizer.vocab.size]
+        if far:
+            raise RequestError(f"logit_bias names token {far[0]}; the vocabulary has {self.tokenizer.vocab.size} tokens")
         text = StopTextStream(self.tokenizer.stream_decoder(), params.stop)
         constraint = None
         if params.grammar is not None:  # compiled here: a grammar it cannot enforce is the request's error

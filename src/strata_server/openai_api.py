@@ -22,13 +22,14 @@ _FLOATS = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
            "repetition_penalty": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
 _INTS = {"top_k": "top_k", "seed": "seed"}
-_COMMON = {"model", "max_tokens", "stream", "stream_options", "stop", "n", "user", "cache_salt", *_FLOATS, *_INTS}
+_COMMON = {"model", "max_tokens", "stream", "stream_options", "stop", "n", "user", "cache_salt", "logit_bias", *_FLOATS,
+           *_INTS}
 # Harmless when present: they change nothing about what is generated.
 _IGNORED = {"user", "metadata", "store"}
 # Known OpenAI fields this server does not implement; "off" values are accepted.
 _UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""),
@@ -230,6 +231,12 @@ def _common(body: dict[str, Any], models: set[str], limits: PromptLimits) -> dic
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings")
         sampling["stop"] = stops
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise ApiError(400, "'logit_bias' must be an object mapping token ids to numbers in [-100, 100]")
+        if bias:
+            sampling["logit_bias"] = bias
     _check_sampling(sampling)
     return {"sampling": sampling, "stream": stream, "cache_salt": salt,
             "include_usage": bool(options and options.get("include_usage"))}

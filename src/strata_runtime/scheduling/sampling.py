@@ -20,7 +20,7 @@ class SamplingParams:
     (and so is any temperature below ``GREEDY_BELOW``).
 
     The filters run in llama.cpp's default order after the grammar's mask
-    (where ``grammar`` is set): penalties, top-k, top-p, min-p, then
+    (where ``grammar`` is set) and ``logit_bias``: penalties, top-k, top-p, min-p, then
     temperature, then a draw from a generator seeded by ``seed`` (a given
     seed reproduces the same tokens).
     """
@@ -45,9 +45,15 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     # What the generated text must match (a JSON schema, a Lark grammar, a regex), or None.
     grammar: Grammar | None = None
+    # Added to the logits of these token ids before everything else but the grammar (OpenAI's logit_bias:
+    # -100 bans a token, 100 all but forces it); a tuple of (token, bias) pairs, sorted.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+
+    MAX_LOGIT_BIAS = 300  # entries; OpenAI allows 300
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grammar", Grammar.of(self.grammar))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -115,7 +121,7 @@ class Sampler:
                     return best
             # Before the penalties and filters, so each sees only what the grammar allows.
             logits = constraint.restrict(logits)
-        logits = apply_penalties(logits, history, p)
+        logits = apply_penalties(apply_logit_bias(logits, p), history, p)
         if p.greedy:
             return int(torch.argmax(logits))
         log_total = None  # log of the softmax denominator when candidates are not the whole support
@@ -170,8 +176,48 @@ def reachable_head(logits: torch.Tensor, log_total: torch.Tensor, p: SamplingPar
         k = min(4 * k, limit)
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token, bias) pairs, from a dict (keys may be
+    digit strings, as JSON writes them) or pairs; ``RequestError`` naming the entry otherwise."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    out = {}
+    try:
+        for token, bias in items:
+            if isinstance(token, str) and token.isdigit():
+                token = int(token)
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise RequestError(f"logit_bias keys must be token ids (whole numbers >= 0), got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token}")
+            out[token] = float(bias)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, RequestError):
+            raise
+        raise RequestError("logit_bias must map token ids to numbers in [-100, 100]") from None
+    if len(out) > SamplingParams.MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(out)} entries; at most {SamplingParams.MAX_LOGIT_BIAS} are allowed")
+    return tuple(sorted(out.items()))
+
+
+def apply_logit_bias(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """``logits`` with ``p.logit_bias`` added (ids past the vocabulary are ignored; -inf stays -inf)."""
+    if not p.logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in p.logit_bias if t < logits.shape[0]], dtype=torch.long)
+    if not len(ids):
+        return logits
+    bias = torch.tensor([b for t, b in p.logit_bias if t < logits.shape[0]], dtype=logits.dtype)
+    logits = logits.clone()
+    logits[ids] += bias
+    return logits
+
+
 def _penalized(p: SamplingParams, history: Sequence[int]) -> bool:
-    """Whether ``apply_penalties`` changes anything."""
+    """Whether ``apply_penalties`` (or ``logit_bias``) changes anything."""
+    if p.logit_bias:
+        return True
     if p.penalty_last_n == 0 or not history:
         return False
     return not (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
@@ -181,7 +227,8 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], p: SamplingPar
     """Repetition (llama.cpp/CTRL style: divide positive logits, multiply
     negative ones), presence and frequency penalties over the last
     ``penalty_last_n`` tokens. A logit at -inf (a token a grammar forbids) stays there."""
-    if not _penalized(p, history):
+    if p.penalty_last_n == 0 or not history or (
+            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
         return logits
     recent = torch.tensor(list(history)[-p.penalty_last_n:], dtype=torch.long)
     tokens, counts = torch.unique(recent, return_counts=True)

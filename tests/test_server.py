@@ -141,6 +141,27 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_reuses_the_cached_prefi
     assert answer.usage.prompt_tokens_details.cached_tokens > whole.usage.prompt_tokens // 2
 
 
+def test_tokenize_counts_what_a_chat_reads_and_detokenize_reverses_it(server, client, model_id):
+    """/tokenize of a chat (tools included) counts the prompt tokens its
+    completion's usage reports; a prompt's ids detokenize back to its text;
+    /v1/models/{id} answers for the served id and 404s another."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = server.post("/tokenize", {"messages": messages, "tools": [WEATHER_TOOL], "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    counted = r.json()
+    chat = client.chat.completions.create(model=model_id, messages=messages, tools=[WEATHER_TOOL],
+                                          tool_choice="required", max_tokens=2, temperature=0)
+    assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert counted["max_model_len"] == CONTEXT
+    ids = server.post("/tokenize", {"prompt": "Hello, world", "add_special_tokens": False}).json()["tokens"]
+    assert server.post("/detokenize", {"tokens": ids}).json() == {"prompt": "Hello, world"}
+    assert server.post("/detokenize", {"tokens": [10**9]}).status_code == 400
+    assert server.post("/tokenize", {"prompt": "x", "messages": messages}).status_code == 400
+    assert client.models.retrieve(model_id).id == model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})

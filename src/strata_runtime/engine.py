@@ -269,10 +269,13 @@ class Engine:
             return self.config.tool_call_format
         return detect_format(self.chat_template.source if self.chat_template is not None else None)
 
-    def _chat_run(self, messages: Sequence[dict[str, Any]], sampling: dict[str, Any],
-                  abort: Callable[[], bool] | None, cache_scope: str, tools: Sequence[dict] | None = None,
-                  tool_choice: Any = None, parallel_tool_calls: bool = True,
-                  chat_template_kwargs: dict[str, Any] | None = None) -> "Run":
+    def chat_request_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None = None,
+                            tool_choice: Any = None, parallel_tool_calls: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            abort: Callable[[], bool] | None = None) -> tuple[list[int], ToolCalling]:
+        """The prompt tokens ``chat`` reads for these arguments (the tool-call
+        format's view of the tools and history included: what a token count
+        must see), and the request's ``ToolCalling``."""
         messages = normalize_messages(messages)
         tools = normalize_tools(tools)
         names = [t["function"]["name"] for t in tools or []]
@@ -280,15 +283,24 @@ class Engine:
             raise RequestTypeError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}")
         calling = ToolCalling(self.tool_call_format, tools, ToolChoice.of(tool_choice, names), parallel_tool_calls,
                               self.tokenizer)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise RequestTypeError("chat_template_kwargs must be a dict of the template's variables")
+        prompt = self.chat_prompt(calling.template_messages(messages), abort=abort, tools=calling.template_tools(),
+                                  chat_template_kwargs=chat_template_kwargs)
+        return prompt, calling
+
+    def _chat_run(self, messages: Sequence[dict[str, Any]], sampling: dict[str, Any],
+                  abort: Callable[[], bool] | None, cache_scope: str, tools: Sequence[dict] | None = None,
+                  tool_choice: Any = None, parallel_tool_calls: bool = True,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> "Run":
+        prompt, calling = self.chat_request_prompt(messages, tools, tool_choice, parallel_tool_calls,
+                                                   chat_template_kwargs, abort)
+        messages = normalize_messages(messages)
         grammar = calling.grammar()
         if grammar is not None:
             if sampling.get("grammar") is not None:
                 raise RequestError("give tools or a grammar (response_format), not both")
             sampling = {**sampling, "grammar": grammar}
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise RequestTypeError("chat_template_kwargs must be a dict of the template's variables")
-        prompt = self.chat_prompt(calling.template_messages(messages), abort=abort, tools=calling.template_tools(),
-                                  chat_template_kwargs=chat_template_kwargs)
         # Turn boundaries are where a returning conversation diverges: checkpoint there.
         boundaries = [] if self.conversations is None or self._turns is None else self._turns.boundaries(prompt)
         root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from strata_runtime.conversations import owner_digest
 
-from . import openai_api
+from . import openai_api, tokens_api
 from .config import ServerConfig
 from .edge import AllowedHosts, RequireApiKey, authenticated, cache_scope
 from .errors import ApiError, json_error
@@ -55,6 +55,9 @@ def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) ->
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+            Route("/tokenize", api.tokenize, methods=["POST"]),
+            Route("/detokenize", api.detokenize, methods=["POST"]),
             Route("/props", api.props, methods=["GET"]),
             Route("/slots", api.slots, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
@@ -206,9 +209,44 @@ class _Api:
             ids.add(self.supervisor.props["model"])
         return ids
 
+    def _model_card(self) -> dict[str, Any]:
+        card = {"id": self.config.served_model_id, "object": "model", "created": 0, "owned_by": "strata"}
+        if self.supervisor.props:
+            card["max_model_len"] = self.supervisor.props.get("context_length")
+        return card
+
     async def models(self, request: Request) -> Response:
-        data = [{"id": self.config.served_model_id, "object": "model", "created": 0, "owned_by": "strata"}]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id not in self._model_ids():
+            raise ApiError(404, f"model {model_id!r} is not served here; GET /v1/models lists what is",
+                           code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        limits = openai_api.PromptLimits.of(self.supervisor.props)
+        done = await self._answer(tokens_api.parse_tokenize(body, limits))
+        return JSONResponse({"count": len(done["tokens"]), "max_model_len": limits.context_length,
+                             "tokens": done["tokens"]})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        done = await self._answer(tokens_api.parse_detokenize(body))
+        return JSONResponse({"prompt": done["text"]})
+
+    async def _answer(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Run a command the engine answers at once (no generation); its ``done`` event."""
+        job = self.supervisor.submit(command)
+        try:
+            kind, value = await job.events.get()
+        finally:
+            self.supervisor.cancel(job)  # no-op for a finished job
+        if kind == "error":
+            raise value
+        return value
 
     async def slots(self, request: Request) -> Response:
         """The sequences the engine holds state for, as of its last step."""

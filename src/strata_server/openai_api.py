@@ -81,14 +81,30 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
+    command = {"kind": "chat", **parse_chat_prompt(body, limits), **_common(body, models, limits)}
+    grammar = response_format_grammar(body.get("response_format"))
+    if grammar is not None:
+        if command.get("tools") and command.get("tool_choice") != "none":
+            raise ApiError(400, "give 'tools' or a 'response_format' schema, not both (or set tool_choice to 'none')")
+        command["sampling"]["grammar"] = grammar
+    return command
+
+
+def parse_chat_prompt(body: dict[str, Any], limits: PromptLimits) -> dict[str, Any]:
+    """What makes a chat's prompt: messages, tools and how they are called,
+    the template's variables (checked here; the engine renders them)."""
     from strata_runtime.errors import RequestError
     from strata_runtime.text import ToolChoice, normalize_messages, normalize_tools
     from strata_runtime.text.messages import contents_length
 
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
     try:
         normalized = normalize_messages(messages)
         tools = normalize_tools(body.get("tools"))
-        choice = ToolChoice.of(body.get("tool_choice"), [t["function"]["name"] for t in tools or []])
+        # Checked here: a bad choice is a 400 before the engine sees it.
+        ToolChoice.of(body.get("tool_choice"), [t["function"]["name"] for t in tools or []])
     except RequestError as e:
         raise ApiError(400, str(e)) from None
     parallel = body.get("parallel_tool_calls", True)
@@ -100,17 +116,12 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
                             "{\"enable_thinking\": false}")
     # The template adds text; it never makes the contents (or the tools) shorter than they are.
     limits.check_chars(contents_length(normalized) + len(json.dumps(tools or [])))
-    command = {"kind": "chat", "messages": messages, **_common(body, models, limits)}
+    command: dict[str, Any] = {"messages": messages}
     if tools:
         command["tools"], command["tool_choice"] = tools, body.get("tool_choice")
         command["parallel_tool_calls"] = parallel
     if variables:
         command["chat_template_kwargs"] = variables
-    grammar = response_format_grammar(body.get("response_format"))
-    if grammar is not None:
-        if tools and choice.mode != "none":
-            raise ApiError(400, "give 'tools' or a 'response_format' schema, not both (or set tool_choice to 'none')")
-        command["sampling"]["grammar"] = grammar
     return command
 
 

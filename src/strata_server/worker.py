@@ -171,6 +171,9 @@ class Requests:
             self.cancelled.discard(rid)
             _send_done(self.channel, rid, self.engine, None)
             return
+        if command["kind"] in ("tokenize", "detokenize"):
+            self._tokens(rid, command)
+            return
         # Asked between chunks of tokenizing, so a client that left stops costing engine time.
         options = {"abort": lambda: rid in self.cancelled, "cache_scope": command.get("cache_scope", ""),
                    **command["sampling"]}
@@ -205,6 +208,40 @@ class Requests:
         finally:
             self.progress.end()
         self.active[rid] = run
+
+    def _tokens(self, rid: int, command: dict[str, Any]) -> None:
+        """Answer a ``tokenize`` (a prompt's ids, or a chat's prompt as ``chat``
+        would read it) or ``detokenize`` command at once, as a ``done`` event
+        with ``tokens`` / ``text``; argument errors are its 400."""
+        from strata_runtime.errors import RequestError
+
+        engine = self.engine
+        try:
+            if command["kind"] == "detokenize":
+                ids = command["tokens"]
+                vocab = engine.tokenizer.vocab.size
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise RequestError(f"token id {bad[0]} is out of range; the vocabulary has {vocab} tokens")
+                answer = {"text": engine.tokenizer.decode(ids, special=True), "tokens": ids}
+            elif "messages" in command:
+                ids, _ = engine.chat_request_prompt(command["messages"], command.get("tools"),
+                                                    command.get("tool_choice"), command.get("parallel_tool_calls", True),
+                                                    command.get("chat_template_kwargs"))
+                answer = {"tokens": ids}
+            else:
+                ids = engine.tokenize(command["prompt"], add_bos=command.get("add_special_tokens", True))
+                answer = {"tokens": ids}
+        except RequestError as e:
+            self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=None, message=str(e))
+            return
+        except Exception as e:
+            log.exception("request %s: tokenizing failed (an internal error)", rid)
+            self._internal_error(rid, e)
+            return
+        self.channel.send(ev="done", id=rid, finish_reason="stop", prompt_tokens=len(answer["tokens"]),
+                          completion_tokens=0, cached_tokens=0, stats=engine.stats(),
+                          scheduler=engine.scheduler.stats(), **answer)
 
     def step(self) -> None:
         """One scheduler step, then each request's new text; ``done`` for

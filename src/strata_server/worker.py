@@ -164,7 +164,7 @@ class Requests:
         checks are the client's fault (400); anything else is logged with its
         traceback and answered 500 (tokenizing touches no engine state)."""
         from strata_runtime import Cancelled, QueueFull
-        from strata_runtime.errors import ContextLengthError, RequestError
+        from strata_runtime.errors import RequestError
 
         rid = command["id"]
         if rid in self.cancelled:  # cancelled before it started
@@ -194,12 +194,8 @@ class Requests:
         except QueueFull as e:
             self.channel.send(ev="error", id=rid, status=503, type="server_error", code="queue_full", message=str(e))
             return
-        except ContextLengthError as e:
-            self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error",
-                              code="context_length_exceeded", message=str(e))
-            return
         except RequestError as e:
-            self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=None, message=str(e))
+            self._bad_request(rid, e)
             return
         except Exception as e:
             log.exception("request %s failed before it was queued (an internal error, not the request's)", rid)
@@ -233,7 +229,7 @@ class Requests:
                 ids = engine.tokenize(command["prompt"], add_bos=command.get("add_special_tokens", True))
                 answer = {"tokens": ids}
         except RequestError as e:
-            self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=None, message=str(e))
+            self._bad_request(rid, e)
             return
         except Exception as e:
             log.exception("request %s: tokenizing failed (an internal error)", rid)
@@ -294,6 +290,13 @@ class Requests:
         now = time.monotonic()
         if now - self._state_sent >= self.STATE_EVERY_S or not self.busy:
             self.send_state()
+
+    def _bad_request(self, rid: int, e: BaseException) -> None:
+        """The request's own error (``RequestError``): a 400 with the message, the context's code where it is that."""
+        from strata_runtime.errors import ContextLengthError
+
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+        self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=code, message=str(e))
 
     def _internal_error(self, rid: int, e: BaseException) -> None:
         """A 500 the client should not retry as is: the same request would fail the same way."""

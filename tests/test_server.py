@@ -162,6 +162,52 @@ def test_tokenize_counts_what_a_chat_reads_and_detokenize_reverses_it(server, cl
         client.models.retrieve("gpt-17")
 
 
+def test_anthropic_messages_answer_call_tools_stream_and_count_with_the_official_client(server, model_id):
+    """``/v1/messages`` through the ``anthropic`` client: text, a forced tool
+    call whole and streamed (the streamed input equals the whole one), the
+    tool's result answered from the cached prefix, ``count_tokens`` equal to
+    the input the usage reports, and errors in Anthropic's shape."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=120)
+    greedy = {"temperature": 0}  # sampling settings travel in the body: this client no longer names them
+    hello = client.messages.create(model=model_id, max_tokens=8, system="Answer briefly.",
+                                   messages=[{"role": "user", "content": "Name a river in Europe."}],
+                                   extra_body=greedy)
+    assert hello.content[0].type == "text" and hello.content[0].text
+    assert hello.stop_reason in ("end_turn", "max_tokens") and hello.usage.output_tokens >= 1
+    tool = {"name": "get_weather", "description": "The weather now in a city.",
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    options = {"model": model_id, "max_tokens": 60, "extra_body": greedy, "tools": [tool],
+               "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    whole = client.messages.create(messages=messages, **options)
+    (use,) = [b for b in whole.content if b.type == "tool_use"]
+    assert whole.stop_reason == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    with client.messages.stream(messages=messages, **options) as stream:
+        streamed = stream.get_final_message()
+    (streamed_use,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed.stop_reason == "tool_use" and streamed_use.input == use.input
+    counted = client.messages.count_tokens(model=model_id, messages=messages, tools=[tool],
+                                           tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    history = messages + [{"role": "assistant", "content": whole.content},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                        "content": '{"celsius": 18}'}]}]
+    answer = client.messages.create(messages=history, **{**options, "tool_choice": {"type": "auto"}})
+    assert answer.usage.cache_read_input_tokens > whole.usage.input_tokens // 2
+    structured = client.messages.create(model=model_id, max_tokens=80, messages=MESSAGES[1:], extra_body=greedy,
+                                        output_config={"format": {"type": "json_schema", "schema": ANSWER}})
+    import json
+
+    import jsonschema
+
+    jsonschema.validate(json.loads(structured.content[0].text), ANSWER)
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})

@@ -83,6 +83,66 @@ VALID = {
 FIELDS = sorted({"messages", "prompt", "max_tokens", "metadata", "unknown_field", *COMMON})
 
 
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT, "name": st.sampled_from(["f", "g", ""]),
+                           "input": st.dictionaries(TEXT, SCALAR, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": TEXT,
+                           "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                      "text": TEXT}), max_size=2))},
+                          optional={"is_error": st.booleans()}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "image", "document"]), "thinking": TEXT}),
+)
+ANTHROPIC_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                           "content": st.one_of(TEXT, st.lists(BLOCK, max_size=3))})
+ANTHROPIC = st.fixed_dictionaries(
+    {"model": st.sampled_from(["gemma-3-270m-q4_k_m", "claude-9"]), "max_tokens": st.integers(0, 3),
+     "messages": st.lists(ANTHROPIC_MESSAGE, min_size=1, max_size=3)},
+    optional={"system": st.one_of(TEXT, ANY_JSON), "stream": st.booleans(), "temperature": st.floats(0, 1),
+              "top_k": st.integers(-1, 50), "stop_sequences": st.lists(TEXT, max_size=3),
+              "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "a b"]),
+                                                       "input_schema": st.one_of(SCHEMA, ANY_JSON)},
+                                                      optional={"type": st.sampled_from(["custom", "bash_2025"])}),
+                                max_size=2),
+              "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool",
+                                                                                       "none", "x"])},
+                                                             optional={"name": st.sampled_from(["f", "g"]),
+                                                                       "disable_parallel_tool_use": st.booleans()}),
+                                       ANY_JSON),
+              "thinking": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"])}),
+                                    ANY_JSON),
+              "output_config": st.one_of(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                  {"type": st.just("json_schema"), "schema": SCHEMA})}), ANY_JSON)})
+
+
+@st.composite
+def anthropic_bodies(draw) -> tuple[str, object]:
+    path = draw(st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+    body = draw(ANTHROPIC)
+    if path.endswith("count_tokens"):
+        body = {k: v for k, v in body.items() if k in ("model", "messages", "system", "tools", "tool_choice",
+                                                       "thinking")}
+    if draw(st.booleans()):
+        body[draw(st.sampled_from(sorted(body) + ["extra"]))] = draw(ANY_JSON)
+    return path, body
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=anthropic_bodies())
+def test_any_messages_body_gets_2xx_or_an_anthropic_4xx(server, request):
+    """The Anthropic front door, fuzzed the same way: errors in Anthropic's shape, streams of its events."""
+    path, body = request
+    r = server.http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
+                         timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        answer = r.json()
+        assert answer["type"] == "error" and answer["error"]["message"], answer
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[0].startswith("event: message_start") and events[-1].startswith("event: message_stop")
+
+
 @st.composite
 def bodies(draw) -> tuple[str, object]:
     """A plausible body for a route, then (mostly) one field or message part made arbitrary."""

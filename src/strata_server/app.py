@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
@@ -30,7 +29,7 @@ from starlette.routing import Route
 
 from strata_runtime.conversations import owner_digest
 
-from . import openai_api, tokens_api
+from . import anthropic_api, openai_api, tokens_api
 from .config import ServerConfig
 from .edge import AllowedHosts, RequireApiKey, authenticated, cache_scope
 from .errors import ApiError, json_error
@@ -56,6 +55,8 @@ def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) ->
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+            Route("/v1/messages", api.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
             Route("/tokenize", api.tokenize, methods=["POST"]),
             Route("/detokenize", api.detokenize, methods=["POST"]),
             Route("/props", api.props, methods=["GET"]),
@@ -84,18 +85,39 @@ class _Api:
     # --- generation ---------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, openai_api.parse_chat)
+        return await self._generate(request, openai_api.parse_chat,
+                                    lambda kind: openai_api.Reply(kind, self.config.served_model_id))
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, openai_api.parse_completion)
+        return await self._generate(request, openai_api.parse_completion,
+                                    lambda kind: openai_api.Reply(kind, self.config.served_model_id))
 
-    async def _generate(self, request: Request, parse: Callable) -> Response:
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API: the same engine command, Anthropic's shapes and errors."""
+        try:
+            return await self._generate(request, anthropic_api.parse_messages,
+                                        lambda kind: anthropic_api.MessageReply(self.config.served_model_id))
+        except ApiError as e:
+            return JSONResponse(anthropic_api.error_body(e), status_code=e.status, headers=e.headers)
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+            command = anthropic_api.parse_count(body, openai_api.PromptLimits.of(self.supervisor.props))
+            done = await self._answer(command)
+        except ApiError as e:
+            return JSONResponse(anthropic_api.error_body(e), status_code=e.status, headers=e.headers)
+        return JSONResponse({"input_tokens": len(done["tokens"])})
+
+    async def _generate(self, request: Request, parse: Callable, make_reply: Callable) -> Response:
+        """Parse a body into an engine command, run it, and answer through
+        ``make_reply(kind)`` (``whole`` or its ``sse`` stream of events)."""
         body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
         command = parse(body, self._model_ids(), openai_api.PromptLimits.of(self.supervisor.props))
         salt = command.pop("cache_salt")
         command["cache_scope"] = cache_scope(request) + ("" if salt is None else "/" + salt)
         job = self.supervisor.submit(command)
-        reply = openai_api.Reply(command["kind"], self.config.served_model_id)
+        reply = make_reply(command["kind"])
         gone = asyncio.create_task(_client_gone(request))
         events = self._events(job, gone)
         try:
@@ -110,7 +132,7 @@ class _Api:
             await events.aclose()
             raise first[1]
         if command["stream"]:
-            return _EventStream(self._sse(reply, first, events, command["include_usage"]))
+            return _EventStream(reply.sse(first, events, command["include_usage"]))
         text: list[str] = []
         try:
             event = first
@@ -167,33 +189,6 @@ class _Api:
         self.metrics.vllm_generation_tokens.inc(done["completion_tokens"])
         if first_piece is not None and done["completion_tokens"] > 1:
             self.metrics.per_token.observe((time.perf_counter() - first_piece) / (done["completion_tokens"] - 1))
-
-    async def _sse(self, reply: openai_api.Reply, first, events, include_usage: bool) -> AsyncIterator[bytes]:
-        """A chat streams its reply as the engine reads it (``deltas``: content,
-        reasoning, tool calls); a completion streams its text."""
-        yield _sse_data(reply.chunk(first=True))
-        event = first
-        while event is not None:
-            kind, value = event
-            if kind == "deltas":
-                for delta in value:
-                    yield _sse_data(reply.delta_chunk(delta))
-            elif kind == "piece":
-                if reply.kind != "chat":
-                    yield _sse_data(reply.chunk(text=value))
-            elif kind == "error":
-                # Headers are gone already: the error travels as an event.
-                yield _sse_data(value.body())
-                return
-            else:
-                final = reply.chunk(finish_reason=value["finish_reason"])
-                final["usage"] = openai_api.usage(value)
-                yield _sse_data(final)
-                if include_usage:
-                    yield _sse_data(reply.usage_chunk(value))
-                yield b"data: [DONE]\n\n"
-                return
-            event = await events.__anext__()
 
     async def client_gone(self, request: Request, exc: ClientDisconnect) -> Response:
         """The client went away while sending its body: nothing to answer, nobody to tell but a counter."""
@@ -296,10 +291,6 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body has been read by then)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _sse_data(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 class _EventStream:

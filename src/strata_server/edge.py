@@ -52,8 +52,8 @@ def host_name(header: str) -> str:
 
 
 class RequireApiKey:
-    """Every route but ``/health`` needs ``Authorization: Bearer KEY`` for one
-    of ``keys`` (none configured: open). Sets ``authenticated`` and
+    """Every route but ``/health`` needs ``Authorization: Bearer KEY`` (or
+    Anthropic's ``x-api-key: KEY``) for one of ``keys`` (none configured: open). Sets ``authenticated`` and
     ``cache_scope`` in the request's state."""
 
     def __init__(self, app, keys: tuple[str, ...]):
@@ -67,7 +67,10 @@ class RequireApiKey:
         if not self.keys:
             state.update(authenticated=True, cache_scope="")
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if not given and b"x-api-key" in headers:  # Anthropic's clients send the key bare, in x-api-key
+            given = b"Bearer " + headers[b"x-api-key"]
         matched = None
         for expected, key_scope in self.keys:  # every key compared, in constant time
             if hmac.compare_digest(given, expected):

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
 from .errors import ApiError
 
@@ -81,7 +81,7 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    command = {"kind": "chat", **parse_chat_prompt(body, limits), **_common(body, models, limits)}
+    command = {"kind": "chat", **parse_chat_prompt(body, limits), **sampling_options(body, models, limits)}
     grammar = response_format_grammar(body.get("response_format"))
     if grammar is not None:
         if command.get("tools") and command.get("tool_choice") != "none":
@@ -173,7 +173,7 @@ def parse_completion(body: Any, models: set[str], limits: PromptLimits) -> dict[
         raise ApiError(400, "'prompt' must be a non-empty string")
     else:
         limits.check_chars(len(prompt))
-    return {"kind": "completion", "prompt": prompt, **_common(body, models, limits)}
+    return {"kind": "completion", "prompt": prompt, **sampling_options(body, models, limits)}
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -193,7 +193,8 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
                             f"this endpoint accepts {', '.join(sorted(allowed))}", code="unknown_parameter")
 
 
-def _common(body: dict[str, Any], models: set[str], limits: PromptLimits) -> dict[str, Any]:
+def sampling_options(body: dict[str, Any], models: set[str], limits: PromptLimits) -> dict[str, Any]:
+    """The fields every generating request shares (model, max_tokens, sampling, stop, stream, cache_salt), checked."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, one of: {', '.join(sorted(models))}; got {_show(model)}")
@@ -338,6 +339,33 @@ class Reply:
         return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None,
                                                          "logprobs": None}])
 
+    async def sse(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[bytes]:
+        """A chat streams its reply as the engine reads it (``deltas``: content,
+        reasoning, tool calls); a completion streams its text."""
+        yield sse_data(self.chunk(first=True))
+        event = first
+        while event is not None:
+            kind, value = event
+            if kind == "deltas":
+                for delta in value:
+                    yield sse_data(self.delta_chunk(delta))
+            elif kind == "piece":
+                if self.kind != "chat":
+                    yield sse_data(self.chunk(text=value))
+            elif kind == "error":
+                # Headers are gone already: the error travels as an event.
+                yield sse_data(value.body())
+                return
+            else:
+                final = self.chunk(finish_reason=value["finish_reason"])
+                final["usage"] = usage(value)
+                yield sse_data(final)
+                if include_usage:
+                    yield sse_data(self.usage_chunk(value))
+                yield b"data: [DONE]\n\n"
+                return
+            event = await events.__anext__()
+
     def usage_chunk(self, done: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._envelope(obj, []), "usage": usage(done)}
@@ -354,6 +382,10 @@ def message_of(text: str, reply: dict[str, Any] | None) -> dict[str, Any]:
     if reply.get("tool_calls"):
         message["tool_calls"] = reply["tool_calls"]
     return message
+
+
+def sse_data(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 def usage(done: dict[str, Any]) -> dict[str, Any]:

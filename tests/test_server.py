@@ -208,6 +208,37 @@ def test_anthropic_messages_answer_call_tools_stream_and_count_with_the_official
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
 
 
+def test_the_responses_api_answers_calls_tools_and_streams_with_the_official_client(client, model_id):
+    """``/v1/responses`` (stateless) through the ``openai`` client: text, a
+    required function call whole and streamed (the streamed arguments equal
+    the whole ones), its output sent back as input items answered from the
+    cached prefix, and ``previous_response_id`` refused naming why."""
+    import json
+
+    hello = client.responses.create(model=model_id, input="Name a river in Europe.", instructions="Answer briefly.",
+                                    max_output_tokens=8, temperature=0)
+    assert hello.output_text and hello.status in ("completed", "incomplete") and hello.usage.output_tokens >= 1
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    items = [{"role": "user", "content": "What is the weather in Paris?"}]
+    options = {"model": model_id, "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+               "max_output_tokens": 60, "temperature": 0}
+    whole = client.responses.create(input=items, **options)
+    (call,) = [item for item in whole.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    events = list(client.responses.create(input=items, stream=True, **options))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == call.arguments
+    assert [i.type for i in events[-1].response.output] == [i.type for i in whole.output]
+    history = items + [item.model_dump(exclude_none=True) for item in whole.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 18}'}]
+    answer = client.responses.create(input=history, **{**options, "tool_choice": "auto"})
+    assert answer.usage.input_tokens_details.cached_tokens > whole.usage.input_tokens // 2
+    with pytest.raises(openai.BadRequestError, match="stores no responses"):
+        client.responses.create(model=model_id, input="x", previous_response_id=whole.id)
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})

@@ -143,6 +143,54 @@ def test_any_messages_body_gets_2xx_or_an_anthropic_4xx(server, request):
         assert events[0].startswith("event: message_start") and events[-1].startswith("event: message_stop")
 
 
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+                           "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": TEXT}), max_size=2))},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": st.sampled_from(["f", "g"]),
+                           "arguments": st.one_of(TEXT, st.just('{"a": 1}'))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": st.one_of(TEXT,
+                                                                                                        ANY_JSON)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call"]),
+                           "summary": st.lists(st.fixed_dictionaries({"type": st.just("summary_text"),
+                                                                      "text": TEXT}), max_size=2)}),
+)
+RESPONSES = st.fixed_dictionaries(
+    {"model": st.sampled_from(["gemma-3-270m-q4_k_m", "gpt-9"]), "input": st.one_of(TEXT, st.lists(ITEM, max_size=3)),
+     "max_output_tokens": st.integers(0, 3)},
+    optional={"instructions": st.one_of(TEXT, ANY_JSON), "stream": st.booleans(), "temperature": st.floats(0, 2),
+              "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]),
+                                                       "name": st.sampled_from(["f", "g", "a b"]),
+                                                       "parameters": st.one_of(SCHEMA, ANY_JSON)}), max_size=2),
+              "tool_choice": st.one_of(st.sampled_from(["auto", "required", "none", "x"]),
+                                       st.fixed_dictionaries({"type": st.just("function"),
+                                                              "name": st.sampled_from(["f", "h"])}), ANY_JSON),
+              "text": st.one_of(st.fixed_dictionaries({"format": st.one_of(
+                  st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+                  st.fixed_dictionaries({"type": st.just("json_schema"), "name": TEXT, "schema": SCHEMA}))}),
+                  ANY_JSON),
+              "previous_response_id": TEXT, "store": st.booleans()})
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(body=RESPONSES, extra=st.one_of(st.none(), st.tuples(st.sampled_from(["input", "tools", "text", "zzz"]),
+                                                             ANY_JSON)))
+def test_any_responses_body_gets_2xx_or_an_openai_4xx(server, body, extra):
+    if extra is not None:
+        body[extra[0]] = extra[1]
+    r = server.http.post("/v1/responses", content=json.dumps(body).encode(),
+                         headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[0].startswith("event: response.created")
+        assert events[-1].startswith(("event: response.completed", "event: response.incomplete"))
+
+
 @st.composite
 def bodies(draw) -> tuple[str, object]:
     """A plausible body for a route, then (mostly) one field or message part made arbitrary."""

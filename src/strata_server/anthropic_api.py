@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 
 from .errors import ApiError
 from .openai_api import PromptLimits, parse_chat_prompt, sampling_options
+from .request_checks import check_fields, converted_tools, reply_events, text_of
 
 FIELDS = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
           "stop_sequences", "stream", "thinking", "output_config",
@@ -39,18 +40,7 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 
 def _text_of(blocks: Any, where: str) -> str:
-    """A ``content`` that must be text: a string, or text blocks joined."""
-    if isinstance(blocks, str):
-        return blocks
-    if isinstance(blocks, list):
-        out = []
-        for i, block in enumerate(blocks):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise ApiError(400, f"{where}[{i}] must be a text block ({{'type': 'text', 'text': ...}}); images "
-                                    "and documents are not supported")
-            out.append(block["text"])
-        return "".join(out)
-    raise ApiError(400, f"{where} must be a string or a list of text blocks")
+    return text_of(blocks, where, ("text",))
 
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
@@ -74,11 +64,9 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, f"{where}.content must be a string or a list of blocks")
         messages.extend(_user_blocks(content, where) if m["role"] == "user" else [_assistant_blocks(content, where)])
     chat: dict[str, Any] = {"messages": messages}
-    tools = body.get("tools")
+    tools = converted_tools(body, _tool, "{name, description, input_schema}")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise ApiError(400, "'tools' must be a list of {name, description, input_schema}")
-        chat["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
+        chat["tools"] = tools
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
@@ -159,19 +147,9 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _check(body: Any, fields: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; this endpoint accepts "
-                            f"{', '.join(sorted(fields))}")
-    return body
-
-
 def parse_messages(body: Any, models: set[str], limits: PromptLimits) -> dict[str, Any]:
     """A ``/v1/messages`` body -> the engine's chat command."""
-    body = _check(body, FIELDS)
+    body = check_fields(body, FIELDS, "/v1/messages")
     if "max_tokens" not in body:
         raise ApiError(400, "'max_tokens' is required (the most tokens to generate)")
     chat = parse_chat_prompt(to_chat(body), limits)
@@ -206,7 +184,7 @@ def _output_schema(fmt: Any) -> Any:
 
 def parse_count(body: Any, limits: PromptLimits) -> dict[str, Any]:
     """A ``/v1/messages/count_tokens`` body -> a tokenize command of the same chat."""
-    body = _check(body, COUNT_FIELDS)
+    body = check_fields(body, COUNT_FIELDS, "/v1/messages/count_tokens")
     return {"kind": "tokenize", **parse_chat_prompt(to_chat(body), limits)}
 
 
@@ -241,25 +219,14 @@ class MessageReply:
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
         blocks = _Blocks()
-        event = first
-        while event is not None:
-            kind, value = event
-            if kind == "deltas":
-                for delta in value:
-                    for out in blocks.add(delta):
-                        yield out
-            elif kind == "error":
-                yield _event("error", error_body(value))
-                return
-            elif kind == "done":
-                for out in blocks.close():
-                    yield out
-                yield _event("message_delta", {"delta": {"stop_reason": STOP_REASONS.get(value["finish_reason"],
-                                                                                         "end_turn"),
-                                                         "stop_sequence": None}, "usage": usage(value)})
-                yield _event("message_stop", {})
-                return
-            event = await events.__anext__()
+
+        def done(value: dict[str, Any]) -> list[bytes]:
+            stop = {"stop_reason": STOP_REASONS.get(value["finish_reason"], "end_turn"), "stop_sequence": None}
+            return blocks.close() + [_event("message_delta", {"delta": stop, "usage": usage(value)}),
+                                     _event("message_stop", {})]
+
+        async for out in reply_events(first, events, blocks.add, lambda e: _event("error", error_body(e)), done):
+            yield out
 
 
 class _Blocks:

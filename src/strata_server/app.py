@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from strata_runtime.conversations import owner_digest
 
-from . import anthropic_api, openai_api, tokens_api
+from . import anthropic_api, openai_api, responses_api, tokens_api
 from .config import ServerConfig
 from .edge import AllowedHosts, RequireApiKey, authenticated, cache_scope
 from .errors import ApiError, json_error
@@ -55,6 +55,7 @@ def build_app(config: ServerConfig, supervisor: Supervisor, metrics: Metrics) ->
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+            Route("/v1/responses", api.responses, methods=["POST"]),
             Route("/v1/messages", api.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
             Route("/tokenize", api.tokenize, methods=["POST"]),
@@ -86,19 +87,25 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, openai_api.parse_chat,
-                                    lambda kind: openai_api.Reply(kind, self.config.served_model_id))
+                                    lambda command: openai_api.Reply(command["kind"], self.config.served_model_id))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, openai_api.parse_completion,
-                                    lambda kind: openai_api.Reply(kind, self.config.served_model_id))
+                                    lambda command: openai_api.Reply(command["kind"], self.config.served_model_id))
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API: the same engine command, Anthropic's shapes and errors."""
         try:
             return await self._generate(request, anthropic_api.parse_messages,
-                                        lambda kind: anthropic_api.MessageReply(self.config.served_model_id))
+                                        lambda command: anthropic_api.MessageReply(self.config.served_model_id))
         except ApiError as e:
             return JSONResponse(anthropic_api.error_body(e), status_code=e.status, headers=e.headers)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, stateless: the same engine command, its items and events."""
+        return await self._generate(request, responses_api.parse_responses,
+                                    lambda command: responses_api.ResponseReply(self.config.served_model_id,
+                                                                                command.pop("echo")))
 
     async def count_tokens(self, request: Request) -> Response:
         try:
@@ -111,13 +118,13 @@ class _Api:
 
     async def _generate(self, request: Request, parse: Callable, make_reply: Callable) -> Response:
         """Parse a body into an engine command, run it, and answer through
-        ``make_reply(kind)`` (``whole`` or its ``sse`` stream of events)."""
+        ``make_reply(command)`` (``whole`` or its ``sse`` stream of events)."""
         body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
         command = parse(body, self._model_ids(), openai_api.PromptLimits.of(self.supervisor.props))
         salt = command.pop("cache_salt")
         command["cache_scope"] = cache_scope(request) + ("" if salt is None else "/" + salt)
+        reply = make_reply(command)  # before the command goes: it may take what is only the reply's
         job = self.supervisor.submit(command)
-        reply = make_reply(command["kind"])
         gone = asyncio.create_task(_client_gone(request))
         events = self._events(job, gone)
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from .errors import ApiError
+from .request_checks import reply_events
 
 # Sampling fields and their engine names; checked by type here and by range
 # in strata_runtime.SamplingParams (one place for the rules).
@@ -343,28 +344,20 @@ class Reply:
         """A chat streams its reply as the engine reads it (``deltas``: content,
         reasoning, tool calls); a completion streams its text."""
         yield sse_data(self.chunk(first=True))
-        event = first
-        while event is not None:
-            kind, value = event
-            if kind == "deltas":
-                for delta in value:
-                    yield sse_data(self.delta_chunk(delta))
-            elif kind == "piece":
-                if self.kind != "chat":
-                    yield sse_data(self.chunk(text=value))
-            elif kind == "error":
-                # Headers are gone already: the error travels as an event.
-                yield sse_data(value.body())
-                return
-            else:
-                final = self.chunk(finish_reason=value["finish_reason"])
-                final["usage"] = usage(value)
-                yield sse_data(final)
-                if include_usage:
-                    yield sse_data(self.usage_chunk(value))
-                yield b"data: [DONE]\n\n"
-                return
-            event = await events.__anext__()
+
+        def done(value: dict[str, Any]) -> list[bytes]:
+            final = self.chunk(finish_reason=value["finish_reason"])
+            final["usage"] = usage(value)
+            out = [sse_data(final)]
+            if include_usage:
+                out.append(sse_data(self.usage_chunk(value)))
+            return out + [b"data: [DONE]\n\n"]
+
+        # Headers are gone already: an error travels as an event.
+        async for out in reply_events(first, events, lambda d: [sse_data(self.delta_chunk(d))],
+                                      lambda e: sse_data(e.body()), done,
+                                      lambda text: [] if self.kind == "chat" else [sse_data(self.chunk(text=text))]):
+            yield out
 
     def usage_chunk(self, done: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -11,6 +11,7 @@ from typing import Any
 
 from .errors import ApiError
 from .openai_api import PromptLimits, parse_chat_prompt
+from .request_checks import check_fields
 
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "messages", "tools", "tool_choice", "parallel_tool_calls",
                    "chat_template_kwargs", "add_generation_prompt"}
@@ -18,12 +19,7 @@ MAX_DETOKENIZE = 1 << 20
 
 
 def parse_tokenize(body: Any, limits: PromptLimits) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object with 'prompt' or 'messages'")
-    unknown = sorted(set(body) - TOKENIZE_FIELDS)
-    if unknown:
-        raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; /tokenize accepts "
-                            f"{', '.join(sorted(TOKENIZE_FIELDS))}", code="unknown_parameter")
+    body = check_fields(body, TOKENIZE_FIELDS, "/tokenize")
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "send 'prompt' (a string) or 'messages' (a chat), one of the two")
     if body.get("add_generation_prompt", True) is not True:

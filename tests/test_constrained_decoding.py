@@ -197,3 +197,22 @@ def test_real_models_answer_in_the_schema(which, smollm2_file, model_file):
                                                           "object whose one key is \"city\"."}])
     c = engine.generate(city, max_tokens=60, temperature=0, grammar=Grammar.json_object())
     assert isinstance(json.loads(c.text), dict) and c.finish_reason == "stop"
+
+
+def test_logprobs_are_the_models_own_distribution_whatever_the_grammar(tiny):
+    """Each generated token's log-probability and the likeliest alternatives
+    come from the model's raw logits (teacher-forced here), before the
+    grammar's mask: a constrained token may be one the model found unlikely."""
+    prompt = tiny.tokenize("The quick brown fox")
+    for grammar in (None, {"json_schema": PERSON}):
+        c = tiny.generate(prompt, max_tokens=12, temperature=0, logprobs=3, grammar=grammar)
+        assert len(c.logprobs) == len(c.tokens)
+        expected = torch.log_softmax(tiny.logits(prompt + c.tokens)[len(prompt) - 1:], dim=-1)
+        for i, (token, (logprob, top)) in enumerate(zip(c.tokens, c.logprobs)):
+            assert logprob == pytest.approx(float(expected[i, token]), abs=1e-4)
+            assert [t for t, _ in top] == torch.topk(expected[i], 3).indices.tolist()
+            if grammar is None:  # greedy and free: the token is the likeliest one
+                assert token == top[0][0]
+    assert tiny.generate(prompt, max_tokens=2, temperature=0).logprobs is None
+    with pytest.raises(ValueError, match="0..20"):
+        tiny.generate(prompt, max_tokens=2, logprobs=21)

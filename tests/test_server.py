@@ -239,6 +239,26 @@ def test_the_responses_api_answers_calls_tools_and_streams_with_the_official_cli
         client.responses.create(model=model_id, input="x", previous_response_id=whole.id)
 
 
+def test_logprobs_whole_and_streamed_on_both_endpoints(client, model_id):
+    whole = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens and all(e.logprob <= 0 for e in entries)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)  # greedy
+    assert "".join(e.token for e in entries).startswith(whole.choices[0].message.content[:1])
+    chunks = list(client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    # The repeat starts from the cached prefix, not the prompt's bfloat16 prefill: close, not bit-equal.
+    assert all(abs(a.logprob - b.logprob) < 0.1 for a, b in zip(streamed, entries))
+    legacy = client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == legacy.usage.completion_tokens
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})
@@ -290,6 +310,9 @@ BAD = [
     ("top_p of 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ("top_p above 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("n of 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "'n' must be 1"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "needs 'logprobs': true"),
+    ("too many logprobs", "/v1/completions", {"prompt": "x", "logprobs": 9}, 400, "0..5"),
     ("a tool with a bad name", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                         "tools": [{"type": "function", "function": {"name": "f g"}}]},
      400, "letters, digits"),

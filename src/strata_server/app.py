@@ -141,6 +141,7 @@ class _Api:
         if command["stream"]:
             return _EventStream(reply.sse(first, events, command["include_usage"]))
         text: list[str] = []
+        logprobs: list[dict] = []
         try:
             event = first
             while event is not None:
@@ -148,9 +149,11 @@ class _Api:
                 if kind == "error":
                     raise value
                 if kind == "done":
-                    return JSONResponse(reply.whole("".join(text), value))
+                    return JSONResponse(reply.whole("".join(text), {**value, "logprobs": logprobs or None}))
                 if kind == "piece":
                     text.append(value)
+                elif kind == "logprobs":
+                    logprobs += value
                 event = await events.__anext__()
             return Response(status_code=499)
         finally:
@@ -182,7 +185,7 @@ class _Api:
                 if kind == "done":
                     self._record(value, first_piece)
                 yield kind, value
-                if kind not in ("piece", "deltas"):
+                if kind not in ("piece", "deltas", "logprobs"):
                     return
         finally:
             gone.cancel()

@@ -30,14 +30,13 @@ _IGNORED = {"user", "metadata", "store"}
 # Known OpenAI fields this server does not implement; "off" values are accepted.
 _UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""),
 }
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
-                         "parallel_tool_calls", "chat_template_kwargs"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
+                         "parallel_tool_calls", "chat_template_kwargs", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -83,6 +82,16 @@ def parse_chat(body: Any, models: set[str], limits: PromptLimits) -> dict[str, A
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     command = {"kind": "chat", **parse_chat_prompt(body, limits), **sampling_options(body, models, limits)}
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"'logprobs' must be true or false (top_logprobs says how many alternatives), "
+                            f"got {_show(wanted)}")
+    if top is not None and (not _is_int(top) or not 0 <= top <= 20):
+        raise ApiError(400, f"'top_logprobs' must be a whole number in 0..20, got {_show(top)}")
+    if top and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
+    if wanted:
+        command["sampling"]["logprobs"] = top or 0
     grammar = response_format_grammar(body.get("response_format"))
     if grammar is not None:
         if command.get("tools") and command.get("tool_choice") != "none":
@@ -174,7 +183,14 @@ def parse_completion(body: Any, models: set[str], limits: PromptLimits) -> dict[
         raise ApiError(400, "'prompt' must be a non-empty string")
     else:
         limits.check_chars(len(prompt))
-    return {"kind": "completion", "prompt": prompt, **sampling_options(body, models, limits)}
+    command = {"kind": "completion", "prompt": prompt, **sampling_options(body, models, limits)}
+    wanted = body.get("logprobs")
+    if wanted is not None and (not _is_int(wanted) or not 0 <= wanted <= 5):
+        raise ApiError(400, f"'logprobs' (completions: how many alternatives a token) must be a whole number in "
+                            f"0..5, got {_show(wanted)}")
+    if wanted is not None:
+        command["sampling"]["logprobs"] = wanted
+    return command
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -304,10 +320,11 @@ class Reply:
     def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":
             choice = {"index": 0, "message": message_of(text, done.get("reply")),
-                      "finish_reason": done["finish_reason"], "logprobs": None}
+                      "finish_reason": done["finish_reason"], "logprobs": self.logprobs_of(done.get("logprobs"))}
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "finish_reason": done["finish_reason"], "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": done["finish_reason"],
+                      "logprobs": self.logprobs_of(done.get("logprobs"))}
             out = self._envelope("text_completion", [choice])
         out["usage"] = usage(done)
         return out
@@ -321,6 +338,25 @@ class Reply:
                                   [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
         return self._envelope("text_completion",
                               [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+
+    def logprobs_of(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """Tokens' log-probabilities as this endpoint writes them: chat's ``content``
+        list, or the completions' ``tokens``/``token_logprobs``/``top_logprobs`` lists."""
+        if not entries:
+            return None
+        if self.kind == "chat":
+            return {"content": entries, "refusal": None}
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+                "text_offset": None}
+
+    def logprobs_chunk(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """A streamed piece's tokens' log-probabilities, in a chunk of their own."""
+        if self.kind == "chat":
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {}, "finish_reason": None,
+                                                             "logprobs": self.logprobs_of(entries)}])
+        return self._envelope("text_completion", [{"index": 0, "text": "", "finish_reason": None,
+                                                   "logprobs": self.logprobs_of(entries)}])
 
     def delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
         """One delta of a chat's reply (``strata_runtime.text.reply_stream``) as a chunk: a call's
@@ -356,7 +392,8 @@ class Reply:
         # Headers are gone already: an error travels as an event.
         async for out in reply_events(first, events, lambda d: [sse_data(self.delta_chunk(d))],
                                       lambda e: sse_data(e.body()), done,
-                                      lambda text: [] if self.kind == "chat" else [sse_data(self.chunk(text=text))]):
+                                      lambda text: [] if self.kind == "chat" else [sse_data(self.chunk(text=text))],
+                                      lambda entries: [sse_data(self.logprobs_chunk(entries))]):
             yield out
 
     def usage_chunk(self, done: dict[str, Any]) -> dict[str, Any]:

@@ -36,9 +36,11 @@ def text_of(content: Any, where: str, part_types: tuple[str, ...]) -> str:
 
 async def reply_events(first, events: AsyncIterator, on_delta: Callable[[dict], list[bytes]],
                        on_error: Callable[[Any], bytes], on_done: Callable[[dict], list[bytes]],
-                       on_piece: Callable[[str], list[bytes]] = lambda text: []) -> AsyncIterator[bytes]:
+                       on_piece: Callable[[str], list[bytes]] = lambda text: [],
+                       on_logprobs: Callable[[list], list[bytes]] = lambda entries: []) -> AsyncIterator[bytes]:
     """A job's events (``first``, then ``events``) as a front door's stream:
-    each of a chat's deltas, its text pieces, then the end (its ``done``, or an error)."""
+    each of a chat's deltas, its text pieces, its tokens' log-probabilities,
+    then the end (its ``done``, or an error)."""
     event = first
     while event is not None:
         kind, value = event
@@ -48,6 +50,9 @@ async def reply_events(first, events: AsyncIterator, on_delta: Callable[[dict], 
                     yield out
         elif kind == "piece":
             for out in on_piece(value):
+                yield out
+        elif kind == "logprobs":
+            for out in on_logprobs(value):
                 yield out
         elif kind == "error":
             yield on_error(value)

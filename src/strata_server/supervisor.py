@@ -462,6 +462,8 @@ class Supervisor(ExitAccounting):
                 if event.get("deltas"):  # a chat's reply read so far, ahead of the text it came with
                     job.events.put_nowait(("deltas", event["deltas"]))
                 job.events.put_nowait(("piece", event["text"]))
+                if event.get("logprobs"):  # its tokens' log-probabilities, where the request asked
+                    job.events.put_nowait(("logprobs", event["logprobs"]))
                 return
             if kind == "done":
                 self.stats = event.get("stats") or self.stats

@@ -279,10 +279,14 @@ class Requests:
                 del self.active[rid]
                 self._internal_error(rid, e)
                 continue
-            deltas = run.take_deltas()
-            if piece or deltas:
-                # A chat's pieces carry its reply read so far (content, reasoning, tool calls).
-                self.channel.send(ev="piece", id=rid, text=piece, **({"deltas": deltas} if deltas else {}))
+            deltas, logprobs = run.take_deltas(), run.take_logprobs()
+            if piece or deltas or logprobs:
+                # A chat's pieces carry its reply read so far (content, reasoning, tool calls), and each piece the
+                # log-probabilities of its tokens where the request asked.
+                extra = {"deltas": deltas} if deltas else {}
+                if logprobs:
+                    extra["logprobs"] = [self._token_logprobs(*entry) for entry in logprobs]
+                self.channel.send(ev="piece", id=rid, text=piece, **extra)
             if run.completion is not None:
                 del self.active[rid]
                 self.cancelled.discard(rid)
@@ -290,6 +294,15 @@ class Requests:
         now = time.monotonic()
         if now - self._state_sent >= self.STATE_EVERY_S or not self.busy:
             self.send_state()
+
+    def _token_logprobs(self, token: int, logprob: float, alternatives: list) -> dict[str, Any]:
+        """One token's entry as OpenAI's chat logprobs write it (its text, UTF-8 bytes, the likeliest alternatives)."""
+        def spelled(t: int) -> dict[str, Any]:
+            data = self.engine.tokenizer.token_bytes(t, special=True)
+            return {"token": data.decode("utf-8", errors="replace"), "bytes": list(data)}
+
+        return {**spelled(token), "logprob": logprob,
+                "top_logprobs": [{**spelled(t), "logprob": lp} for t, lp in alternatives]}
 
     def _bad_request(self, rid: int, e: BaseException) -> None:
         """The request's own error (``RequestError``): a 400 with the message, the context's code where it is that."""

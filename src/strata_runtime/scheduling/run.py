@@ -32,6 +32,8 @@ class Completion:
     prefill_seconds: float
     decode_seconds: float
     reply: AssistantReply | None = None  # a chat's reply read back: content, reasoning, tool calls
+    # Per token of ``tokens`` where the sampling asked (``logprobs``): (logprob, [(alternative, logprob), ...]).
+    logprobs: list | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -76,6 +78,7 @@ class Run:
         # to a ReplyStream, whose deltas wait in ``_deltas`` for ``take_deltas``.
         self.read_reply: Callable[[list[int], str], AssistantReply] | None = None
         self.reply_stream: ReplyStream | None = None
+        self._logprobs_taken = 0  # entries of seq.logprobs handed out by take_logprobs
         self.special_text: StopTextStream | None = None
         self._deltas: list[dict] = []
 
@@ -107,6 +110,14 @@ class Run:
             self._complete()
         return "".join(out)
 
+    def take_logprobs(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """(token, logprob, alternatives) of the tokens generated since the last call, where asked for."""
+        seq = self.seq
+        upto = min(len(seq.logprobs), len(seq.generated))
+        out = [(seq.generated[i], *seq.logprobs[i]) for i in range(self._logprobs_taken, upto)]
+        self._logprobs_taken = max(self._logprobs_taken, upto)
+        return out
+
     def take_deltas(self) -> list[dict]:
         """The reply's deltas since the last call (a chat's; see ``text.reply_stream``)."""
         out, self._deltas = self._deltas, []
@@ -125,7 +136,8 @@ class Run:
         self.completion = Completion(text=self.text.emitted, tokens=list(seq.generated),
                                      finish_reason=finish, prompt_tokens=len(self.prompt),
                                      cached_tokens=seq.cached_tokens, prefill_seconds=max(0.0, first - self.started),
-                                     decode_seconds=max(0.0, end - first), reply=reply)
+                                     decode_seconds=max(0.0, end - first), reply=reply,
+                                     logprobs=list(seq.logprobs) if self.params.logprobs is not None else None)
         if self.on_complete is not None:
             self.on_complete(self.completion)
 

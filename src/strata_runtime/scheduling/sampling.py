@@ -49,7 +49,12 @@ class SamplingParams:
     # -100 bans a token, 100 all but forces it); a tuple of (token, bias) pairs, sorted.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
+    # Report each chosen token's log-probability under the model (its raw logits: before the grammar, biases,
+    # penalties and temperature) and this many of the likeliest alternatives (0-20); None: none.
+    logprobs: int | None = None
+
     MAX_LOGIT_BIAS = 300  # entries; OpenAI allows 300
+    MAX_TOP_LOGPROBS = 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grammar", Grammar.of(self.grammar))
@@ -75,6 +80,10 @@ class SamplingParams:
              f"each stop string may have at most {self.MAX_STOP_CHARS} characters"),
             (self.seed is None or self.SEED_RANGE[0] <= self.seed <= self.SEED_RANGE[1],
              f"seed must be a whole number in [-2**63, 2**64 - 1], got {self.seed}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and 0 <= self.logprobs <= self.MAX_TOP_LOGPROBS),
+             f"logprobs (the alternatives reported a token) must be a whole number in 0..{self.MAX_TOP_LOGPROBS}, "
+             f"got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -93,6 +102,8 @@ class Sampler:
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
         self.params = params
         self.constraint = constraint
+        # The last token's (logprob, [(alternative, logprob), ...]) where ``params.logprobs`` asks for them.
+        self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -102,6 +113,8 @@ class Sampler:
         token = self._choose(logits, history)
         if self.constraint is not None:
             self.constraint.advance(token)
+        if self.params.logprobs is not None:
+            self.last_logprobs = token_logprobs(logits, token, self.params.logprobs)
         return token
 
     def rollback(self, tokens: int) -> None:
@@ -145,6 +158,16 @@ class Sampler:
         # Scaled from the best logit down: nothing overflows whatever the temperature.
         probs = torch.softmax((logits - logits.max()) / p.temperature, dim=-1)
         return int(candidates[draw(probs, self.generator)])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under ``logits`` and the ``top`` likeliest tokens' (best first)."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+    alternatives = []
+    if top:
+        values, ids = torch.topk(logprobs, top)
+        alternatives = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return float(logprobs[token]), alternatives
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

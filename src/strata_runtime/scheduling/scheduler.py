@@ -269,6 +269,8 @@ class Scheduler:
             return False
         seq.tokens.append(token)
         seq.generated.append(token)
+        if seq.sampler.last_logprobs is not None:
+            seq.logprobs.append(seq.sampler.last_logprobs)
         self.counters["generated_tokens"] += 1
         seq.events.append(token)
         if len(seq.generated) >= seq.max_tokens:

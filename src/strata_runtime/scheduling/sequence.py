@@ -39,6 +39,8 @@ class Generation:
     generated: list[int] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)  # being verified this step (``speculation``)
+    # Per generated token, where the sampling asks: (logprob, [(alternative, logprob), ...]); same length as generated.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
     cache: KVCache | None = None
     cached_tokens: int = 0  # prompt tokens whose state was reused at admission
@@ -69,6 +71,7 @@ class Generation:
         if unused > 0:
             self.sampler.rollback(unused)
             del self.generated[-unused:]
+            del self.logprobs[len(self.generated):]
             del self.tokens[-unused:]
             self.events = []
             if self.cache is not None and self.cache.length > len(self.tokens):

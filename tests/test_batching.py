@@ -236,3 +236,20 @@ def test_two_alternating_conversations_stay_on_the_device(smollm2_file):
     assert stats.get("parked", 0) == 0 and stats.get("restored", 0) == 0 and stats["parked_now"] == 0, stats
     assert all(n > 40 for n in cached["a"][1:] + cached["b"][1:]), cached  # whole earlier turns reused
     assert both.scheduler.counters["prefix_copies"] == 1  # b's first turn shares a's system prompt
+
+
+def test_n_choices_read_the_prompt_once_and_each_equals_its_seed_alone(exact):
+    """``generate_n``: the first choice reads the prompt, the others copy its
+    state (counted as prefix copies, each reporting the prompt as cached)
+    and decode beside it; choice ``i`` gives the tokens ``seed + i`` gives alone."""
+    prompt = exact.tokenize(TEXTS[0])
+    before = exact.scheduler.counters["prefix_copies"]
+    choices = exact.generate_n(prompt, 3, max_tokens=12, temperature=0.9, seed=11, cache_scope="n-choices")
+    assert exact.scheduler.counters["prefix_copies"] - before == 2
+    assert [c.cached_tokens for c in choices[1:]] == [len(prompt) - 1] * 2
+    alone = [exact.generate(prompt, max_tokens=12, temperature=0.9, seed=11 + i, cache_scope=f"alone-{i}")
+             for i in range(3)]
+    assert [c.tokens for c in choices] == [c.tokens for c in alone]
+    assert len({tuple(c.tokens) for c in choices}) > 1
+    with pytest.raises(ValueError, match="1..16"):
+        exact.generate_n(prompt, 0)

@@ -229,6 +229,25 @@ class Engine:
             pass
         return run.completion
 
+    def generate_n(self, prompt: str | Sequence[int], n: int, *, cache_scope: str = "",
+                   **sampling: Any) -> list[Completion]:
+        """``n`` continuations of one ``prompt`` decoded together; the prompt is
+        read once and its state copied to the others. With a ``seed``, choice
+        ``i`` draws with ``seed + i`` (each reproducible alone)."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
+            raise RequestError(f"n must be a whole number in 1..16, got {n!r}")
+        seed = sampling.get("seed")
+        runs = [self._start(prompt, {**sampling, **({} if seed is None else {"seed": seed + i})},
+                            cache_scope=cache_scope) for i in range(n)]
+        for i, run in enumerate(runs):
+            run.submit(sibling=runs[0].seq if i else None)
+        while any(run.completion is None for run in runs):
+            for run in runs:
+                run.pump()
+            if any(run.completion is None for run in runs):
+                self.scheduler.step()
+        return [run.completion for run in runs]
+
     def generate_many(self, prompts: Sequence[str | Sequence[int]], *, cache_scope: str = "",
                       **sampling: Any) -> list[Completion]:
         """Continue every prompt of ``prompts`` (text, or token ids), decoding
@@ -323,13 +342,16 @@ class Engine:
     def submit(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
                abort: Callable[[], bool] | None = None, cache_scope: str = "", tools: Sequence[dict] | None = None,
                tool_choice: Any = None, parallel_tool_calls: bool = True,
-               chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> "Run":
+               chat_template_kwargs: dict[str, Any] | None = None, sibling_of: "Run | None" = None,
+               **sampling: Any) -> "Run":
         """Queue one generation (a ``prompt``, or chat ``messages`` with
         ``chat``'s tool arguments) and return its ``Run`` without stepping:
         whoever drives ``scheduler.step()`` (a server's loop) takes its text
         with ``run.pump()`` until ``run.completion`` is set. ``QueueFull``
         where the waiting queue is at its bound. Arguments are checked here,
-        as ``generate``/``chat`` check them."""
+        as ``generate``/``chat`` check them. ``sibling_of``: a run of the same
+        prompt (another of a request's ``n`` choices) whose prompt state this
+        one copies rather than reading the prompt again."""
         if (prompt is None) == (messages is None):
             raise RequestTypeError("give a prompt or messages, not both")
         if messages is None and (tools is not None or tool_choice is not None or chat_template_kwargs is not None):
@@ -337,7 +359,8 @@ class Engine:
         run = (self._chat_run(messages, dict(sampling), abort, cache_scope, tools, tool_choice, parallel_tool_calls,
                               chat_template_kwargs) if messages is not None
                else self._start(prompt, dict(sampling), abort=abort, cache_scope=cache_scope))
-        run.submit(bounded=True)
+        # Another choice of the same request: the prompt's state is copied from the first once it has read it.
+        run.submit(bounded=True, sibling=None if sibling_of is None else sibling_of.seq)
         return run
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,

@@ -82,11 +82,12 @@ class Run:
         self.special_text: StopTextStream | None = None
         self._deltas: list[dict] = []
 
-    def submit(self, bounded: bool = False) -> Generation:
-        """Queue this generation (``bounded``: subject to the waiting queue's bound)."""
+    def submit(self, bounded: bool = False, sibling: Generation | None = None) -> Generation:
+        """Queue this generation (``bounded``: subject to the waiting queue's bound;
+        ``sibling``: a sequence of the same prompt to copy the prompt's state from)."""
         self.started = time.perf_counter()
         self.seq = self.scheduler.submit(self.prompt, self.params, self.scope, self.boundaries, self.root,
-                                         bounded=bounded, constraint=self.constraint)
+                                         bounded=bounded, constraint=self.constraint, sibling=sibling)
         return self.seq
 
     def pump(self) -> str:

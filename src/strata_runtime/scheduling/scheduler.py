@@ -88,10 +88,12 @@ class Scheduler:
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, scope: str = "",
                boundaries: Sequence[int] = (), root: int | None = None, bounded: bool = True,
-               constraint: Constraint | None = None) -> Generation:
+               constraint: Constraint | None = None, sibling: Generation | None = None) -> Generation:
         """Queue a request; ``QueueFull`` past ``max_waiting`` waiting ones
         (``bounded``: a server's clients; a notebook's own list is not).
-        ``constraint``: the grammar its tokens follow (made from ``params.grammar``)."""
+        ``constraint``: the grammar its tokens follow (made from ``params.grammar``);
+        ``sibling``: a sequence of the same prompt (another of a request's ``n``
+        choices) whose prompt state this one copies instead of reading it again."""
         if bounded and len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (the bound); retry shortly")
         prompt = list(prompt)
@@ -102,7 +104,7 @@ class Scheduler:
                               f"but the pool holds {g.n_blocks}; shorten it or give the engine more KV memory")
         seq = Generation(next(self._ids), prompt, params, Sampler(params, constraint),
                         max_tokens=min(params.max_tokens, self.context_length - len(prompt)), scope=scope,
-                        boundaries=tuple(boundaries), root=root, tokens=list(prompt))
+                        boundaries=tuple(boundaries), root=root, tokens=list(prompt), sibling=sibling)
         self.counters["requests"] += 1
         if seq.max_tokens <= 0:  # nothing to generate: no state to compute
             seq.cancel("length")
@@ -322,6 +324,12 @@ class Scheduler:
         the parked snapshots and the checkpoints restored into it. Without a
         resident to take, a fresh cache (a restore where a snapshot fits)."""
         limit = len(seq.tokens) - 1  # at least one token to read: its logits give the next
+        if seq.sibling is not None:
+            waiting, cache = self._from_sibling(seq, limit)
+            if waiting:
+                return None
+            if cache is not None:
+                return cache
         best, shared = None, 0
         for r in self.residents:
             if r.scope == seq.scope:
@@ -376,6 +384,30 @@ class Scheduler:
                     cache.release()
                 return None
         return self._admitted(seq, cache, kept)
+
+    def _from_sibling(self, seq: Generation, limit: int) -> tuple[bool, KVCache | None]:
+        """``(wait, cache)`` for a sequence that shares its prompt with ``seq.sibling``
+        (one of a request's ``n`` choices): wait while the sibling reads the
+        prompt, then copy the prompt's state from it. Where it cannot (the sibling
+        ended, has recurrent layers, its ring moved past the prompt, or the pool
+        has no room) the sequence goes on
+        as any other (a resident left by the sibling still gives the prefix)."""
+        sibling = seq.sibling
+        if sibling.state == PREFILLING:  # it is reading the prompt now (a waiting one may stand behind us)
+            return True, None
+        seq.sibling = None
+        source = sibling.cache
+        # copy_prefix copies attention state (a sliding ring while it still holds the prompt), not recurrent state.
+        if sibling.state == FINISHED or source is None or source.recurrent_layers or self.private is not None \
+                or source.length < limit or sibling.tokens[:limit] != seq.tokens[:limit]:
+            return False, None
+        cache = KVCache.on_pool(self.pool, self.context_length)
+        if self._room_for(cache, len(seq.tokens)) and cache.copy_prefix(source, limit):
+            cache.reserve(len(seq.tokens) - limit)
+            self.counters["prefix_copies"] += 1
+            return False, self._admitted(seq, cache, limit)
+        cache.release()
+        return False, None
 
     def _admitted(self, seq: Generation, cache: KVCache, kept: int) -> KVCache:
         """Count a prefix query of ``seq`` that reuses ``kept`` tokens."""

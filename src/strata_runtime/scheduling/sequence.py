@@ -39,6 +39,7 @@ class Generation:
     generated: list[int] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)  # being verified this step (``speculation``)
+    sibling: "Generation | None" = None  # a sequence of the same prompt whose prompt state this one copies
     # Per generated token, where the sampling asks: (logprob, [(alternative, logprob), ...]); same length as generated.
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None

@@ -259,6 +259,31 @@ def test_logprobs_whole_and_streamed_on_both_endpoints(client, model_id):
     assert all(len(top) == 2 for top in lp.top_logprobs)
 
 
+def test_n_choices_whole_and_streamed(client, model_id):
+    """``n`` choices: one per index, each as its seed alone would give it
+    (choice i draws with seed + i), usage counting the prompt once; streamed,
+    the chunks of all choices interleave and reassemble to the same texts."""
+    options = {"model": model_id, "messages": MESSAGES, "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    whole = client.chat.completions.create(n=3, **options)
+    texts = [c.message.content for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(whole.choices, key=lambda c: c.index)] == [0, 1, 2]
+    alone = [client.chat.completions.create(**{**options, "seed": 3 + i}).choices[0].message.content
+             for i in range(3)]
+    assert texts == alone
+    one = client.chat.completions.create(**options)
+    assert whole.usage.prompt_tokens == one.usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**options, "seed": 3 + i}).usage.completion_tokens for i in range(3))
+    chunks = list(client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True},
+                                                 **options))
+    streamed = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     r = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0, "stream": True})
@@ -309,7 +334,7 @@ BAD = [
      "temperature must be at least 0"),
     ("top_p of 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ("top_p above 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
-    ("n of 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "'n' must be 1"),
+    ("n of 0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "'n' must be a whole number in 1..16"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "needs 'logprobs': true"),
     ("too many logprobs", "/v1/completions", {"prompt": "x", "logprobs": 9}, 400, "0..5"),

@@ -239,14 +239,7 @@ class Engine:
         seed = sampling.get("seed")
         runs = [self._start(prompt, {**sampling, **({} if seed is None else {"seed": seed + i})},
                             cache_scope=cache_scope) for i in range(n)]
-        for i, run in enumerate(runs):
-            run.submit(sibling=runs[0].seq if i else None)
-        while any(run.completion is None for run in runs):
-            for run in runs:
-                run.pump()
-            if any(run.completion is None for run in runs):
-                self.scheduler.step()
-        return [run.completion for run in runs]
+        return [run.completion for run in run_together(self.scheduler, runs, siblings=True)]
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], *, cache_scope: str = "",
                       **sampling: Any) -> list[Completion]:

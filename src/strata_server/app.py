@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from strata_runtime.conversations import owner_digest
 
-from . import anthropic_api, openai_api, responses_api, tokens_api
+from . import anthropic_api, choices, openai_api, responses_api, tokens_api
 from .config import ServerConfig
 from .edge import AllowedHosts, RequireApiKey, authenticated, cache_scope
 from .errors import ApiError, json_error
@@ -117,51 +117,56 @@ class _Api:
         return JSONResponse({"input_tokens": len(done["tokens"])})
 
     async def _generate(self, request: Request, parse: Callable, make_reply: Callable) -> Response:
-        """Parse a body into an engine command, run it, and answer through
-        ``make_reply(command)`` (``whole`` or its ``sse`` stream of events)."""
+        """Parse a body into an engine command, run it (``n`` choices: one job
+        each, the later ones copying the first's prompt state), and answer
+        through ``make_reply(command)`` (``whole`` or its ``sse`` stream of events)."""
         body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
         command = parse(body, self._model_ids(), openai_api.PromptLimits.of(self.supervisor.props))
         salt = command.pop("cache_salt")
         command["cache_scope"] = cache_scope(request) + ("" if salt is None else "/" + salt)
+        n = command.pop("n", 1)
         reply = make_reply(command)  # before the command goes: it may take what is only the reply's
-        job = self.supervisor.submit(command)
+        replies = [reply] if n == 1 else reply.choices(n)
+        commands = [command] if n == 1 else choices.choice_commands(command, n)
+        jobs, opened = [], []
         gone = asyncio.create_task(_client_gone(request))
-        events = self._events(job, gone)
         try:
-            first = await events.__anext__()
+            for c in commands:
+                jobs.append(self.supervisor.submit(c))
+            for job in jobs:
+                events = self._events(job, gone, owns_gone=n == 1)
+                opened.append((events, await events.__anext__()))
+                if opened[-1][1] is None or opened[-1][1][0] == "error":
+                    break
         except BaseException:
-            await events.aclose()
+            await _close(opened, jobs, self.supervisor, gone)
             raise
-        if first is None:  # the client left before anything was generated
-            await events.aclose()
-            return Response(status_code=499)
-        if first[0] == "error":
-            await events.aclose()
-            raise first[1]
+        if any(first is None or first[0] == "error" for _, first in opened):
+            await _close(opened, jobs, self.supervisor, gone)
+            failed = next(first for _, first in opened if first is None or first[0] == "error")
+            if failed is None:  # the client left before anything was generated
+                return Response(status_code=499)
+            raise failed[1]
         if command["stream"]:
-            return _EventStream(reply.sse(first, events, command["include_usage"]))
-        text: list[str] = []
-        logprobs: list[dict] = []
+            if n == 1:
+                return _EventStream(reply.sse(opened[0][1], opened[0][0], command["include_usage"]))
+            return _EventStream(_closing(choices.sse_choices(replies, opened, command["include_usage"]), opened,
+                                         jobs, self.supervisor, gone))
         try:
-            event = first
-            while event is not None:
-                kind, value = event
-                if kind == "error":
-                    raise value
-                if kind == "done":
-                    return JSONResponse(reply.whole("".join(text), {**value, "logprobs": logprobs or None}))
-                if kind == "piece":
-                    text.append(value)
-                elif kind == "logprobs":
-                    logprobs += value
-                event = await events.__anext__()
-            return Response(status_code=499)
+            results = await asyncio.gather(*(_collect(events, first) for events, first in opened))
         finally:
-            await events.aclose()
+            await _close(opened, jobs, self.supervisor, gone)
+        if any(r is None for r in results):
+            return Response(status_code=499)
+        if n == 1:
+            return JSONResponse(reply.whole(*results[0]))
+        return JSONResponse(choices.whole_choices(replies, results))
 
-    async def _events(self, job: Job, gone: asyncio.Task) -> AsyncIterator[tuple[str, Any] | None]:
+    async def _events(self, job: Job, gone: asyncio.Task, owns_gone: bool = True
+                      ) -> AsyncIterator[tuple[str, Any] | None]:
         """The job's events, with metrics; ``None`` once the client has left
-        (the job is then cancelled). Closing this cancels an unfinished job."""
+        (the job is then cancelled). Closing this cancels an unfinished job
+        (and ``gone``, where this job alone watches it)."""
         first_piece: float | None = None
         last_piece = 0.0
         try:
@@ -188,7 +193,8 @@ class _Api:
                 if kind not in ("piece", "deltas", "logprobs"):
                     return
         finally:
-            gone.cancel()
+            if owns_gone:
+                gone.cancel()
             self.supervisor.cancel(job)  # no-op for a finished job
 
     def _record(self, done: dict[str, Any], first_piece: float | None) -> None:
@@ -295,6 +301,43 @@ class _Api:
 
 
 # --- request bodies and responses -----------------------------------------------------
+
+
+async def _collect(events: AsyncIterator, first) -> tuple[str, dict[str, Any]] | None:
+    """A job's whole answer: its text and its ``done`` (with the tokens' logprobs); None if the client left."""
+    text: list[str] = []
+    logprobs: list[dict] = []
+    event = first
+    while event is not None:
+        kind, value = event
+        if kind == "error":
+            raise value
+        if kind == "done":
+            return "".join(text), {**value, "logprobs": logprobs or None}
+        if kind == "piece":
+            text.append(value)
+        elif kind == "logprobs":
+            logprobs += value
+        event = await events.__anext__()
+    return None
+
+
+async def _close(opened: list, jobs: list[Job], supervisor: Supervisor, gone: asyncio.Task) -> None:
+    """End a request's jobs however it ended: their event streams, the jobs still running, the client watch."""
+    for events, _ in opened:
+        await events.aclose()
+    for job in jobs:
+        supervisor.cancel(job)
+    gone.cancel()
+
+
+async def _closing(source: AsyncIterator[bytes], opened: list, jobs: list[Job], supervisor: Supervisor,
+                   gone: asyncio.Task) -> AsyncIterator[bytes]:
+    try:
+        async for out in source:
+            yield out
+    finally:
+        await _close(opened, jobs, supervisor, gone)
 
 
 async def _client_gone(request: Request) -> None:

@@ -38,6 +38,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "response_format",
                          "parallel_tool_calls", "chat_template_kwargs", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 MAX_CACHE_SALT_CHARS = 256
+MAX_CHOICES = 16  # n: each choice is a sequence of its own
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,8 @@ def sampling_options(body: dict[str, Any], models: set[str], limits: PromptLimit
         raise ApiError(404, f"model {_show(model)} is not served here; use one of: {', '.join(sorted(models))} "
                             f"(GET /v1/models lists them)", code="model_not_found")
     n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise ApiError(400, f"'n' must be 1 (this server returns one choice per request), got {_show(n)}",
-                       code="unsupported_parameter")
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be a whole number in 1..{MAX_CHOICES}, got {_show(n)}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"'stream' must be true or false, got {_show(stream)}")
@@ -267,7 +267,7 @@ def sampling_options(body: dict[str, Any], models: set[str], limits: PromptLimit
         if bias:
             sampling["logit_bias"] = bias
     _check_sampling(sampling)
-    return {"sampling": sampling, "stream": stream, "cache_salt": salt,
+    return {"sampling": sampling, "stream": stream, "cache_salt": salt, **({"n": n} if n > 1 else {}),
             "include_usage": bool(options and options.get("include_usage"))}
 
 
@@ -308,22 +308,32 @@ def _show(value: Any, limit: int = 60) -> str:
 class Reply:
     """The ids and shapes of one response, streamed or whole."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, index: int = 0):
         self.kind = kind
         self.model = model
+        self.index = index  # the choice this reply writes
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+
+    def choices(self, n: int) -> list["Reply"]:
+        """This reply and ``n - 1`` more of the same response, one a choice."""
+        out = [self]
+        for i in range(1, n):
+            other = Reply(self.kind, self.model, i)
+            other.id, other.created = self.id, self.created
+            out.append(other)
+        return out
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def whole(self, text: str, done: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":
-            choice = {"index": 0, "message": message_of(text, done.get("reply")),
+            choice = {"index": self.index, "message": message_of(text, done.get("reply")),
                       "finish_reason": done["finish_reason"], "logprobs": self.logprobs_of(done.get("logprobs"))}
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "finish_reason": done["finish_reason"],
+            choice = {"index": self.index, "text": text, "finish_reason": done["finish_reason"],
                       "logprobs": self.logprobs_of(done.get("logprobs"))}
             out = self._envelope("text_completion", [choice])
         out["usage"] = usage(done)
@@ -335,9 +345,11 @@ class Reply:
             if text is not None:
                 delta["content"] = text
             return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
+                                  [{"index": self.index, "delta": delta, "finish_reason": finish_reason,
+                                    "logprobs": None}])
         return self._envelope("text_completion",
-                              [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+                              [{"index": self.index, "text": text or "", "finish_reason": finish_reason,
+                                "logprobs": None}])
 
     def logprobs_of(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
         """Tokens' log-probabilities as this endpoint writes them: chat's ``content``
@@ -353,9 +365,9 @@ class Reply:
     def logprobs_chunk(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
         """A streamed piece's tokens' log-probabilities, in a chunk of their own."""
         if self.kind == "chat":
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {}, "finish_reason": None,
+            return self._envelope("chat.completion.chunk", [{"index": self.index, "delta": {}, "finish_reason": None,
                                                              "logprobs": self.logprobs_of(entries)}])
-        return self._envelope("text_completion", [{"index": 0, "text": "", "finish_reason": None,
+        return self._envelope("text_completion", [{"index": self.index, "text": "", "finish_reason": None,
                                                    "logprobs": self.logprobs_of(entries)}])
 
     def delta_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
@@ -373,16 +385,20 @@ class Reply:
         return self._delta(body)
 
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None,
+        return self._envelope("chat.completion.chunk", [{"index": self.index, "delta": delta, "finish_reason": None,
                                                          "logprobs": None}])
 
-    async def sse(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, first, events: AsyncIterator, include_usage: bool, end: bool = True) -> AsyncIterator[bytes]:
         """A chat streams its reply as the engine reads it (``deltas``: content,
-        reasoning, tool calls); a completion streams its text."""
+        reasoning, tool calls); a completion streams its text. ``end``: close
+        the stream (usage, ``[DONE]``) after this choice's last chunk."""
         yield sse_data(self.chunk(first=True))
 
         def done(value: dict[str, Any]) -> list[bytes]:
+            self.done = value
             final = self.chunk(finish_reason=value["finish_reason"])
+            if not end:
+                return [sse_data(final)]
             final["usage"] = usage(value)
             out = [sse_data(final)]
             if include_usage:

@@ -153,6 +153,7 @@ class Requests:
         self.cancelled = cancelled
         self.progress = progress
         self.active: dict[int, Any] = {}
+        self.choice_groups: dict[str, Any] = {}  # a request's first choice's run, while its other choices start
         self._state_sent = 0.0
 
     @property
@@ -180,12 +181,20 @@ class Requests:
         text = command["messages"] if command["kind"] == "chat" else command["prompt"]
         self.progress.begin(len(json.dumps(text)) // 4, [rid])
         try:
+            group = command.get("choice_group")
+            if group is not None and command.get("choice", 0):  # a later choice copies the first's prompt state
+                options["sibling_of"] = self.choice_groups.get(group)
             if command["kind"] == "chat":
                 tools = {k: command[k] for k in ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
                          if k in command}
                 run = self.engine.submit(messages=command["messages"], **options, **tools)
             else:
                 run = self.engine.submit(command["prompt"], **options)
+            if group is not None:
+                if command.get("choice", 0) == 0:
+                    self.choice_groups[group] = run
+                if command.get("choice", 0) >= command.get("choices", 1) - 1:
+                    self.choice_groups.pop(group, None)
         except Cancelled as e:
             log.info("request %s stopped: %s", rid, e)
             self.cancelled.discard(rid)

@@ -164,10 +164,11 @@ class Run:
                 self._complete()
 
 
-def run_together(scheduler: Scheduler, runs: Sequence[Run]) -> list[Run]:
-    """Step ``scheduler`` until every run's generation has ended."""
-    for run in runs:
-        run.submit()
+def run_together(scheduler: Scheduler, runs: Sequence[Run], siblings: bool = False) -> list[Run]:
+    """Step ``scheduler`` until every run's generation has ended (``siblings``:
+    runs of one prompt, the later ones copying the first's prompt state)."""
+    for i, run in enumerate(runs):
+        run.submit(sibling=runs[0].seq if siblings and i else None)
     while True:
         for run in runs:
             run.pump()

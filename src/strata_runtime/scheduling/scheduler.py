@@ -43,6 +43,7 @@ from .batch import Batch
 from .constraint import Constraint
 from .sampling import Sampler, SamplingParams
 from .sequence import DECODING, FINISHED, PREFILLING, WAITING, Generation, Resident
+from .siblings import state_from_sibling
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,8 @@ class Scheduler:
                constraint: Constraint | None = None, sibling: Generation | None = None) -> Generation:
         """Queue a request; ``QueueFull`` past ``max_waiting`` waiting ones
         (``bounded``: a server's clients; a notebook's own list is not).
-        ``constraint``: the grammar its tokens follow (made from ``params.grammar``);
-        ``sibling``: a sequence of the same prompt (another of a request's ``n``
-        choices) whose prompt state this one copies instead of reading it again."""
+        ``constraint``: the grammar its tokens follow (made from ``params.grammar``); ``sibling``: a
+        sequence of the same prompt (``n`` choices) whose prompt state this one copies."""
         if bounded and len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (the bound); retry shortly")
         prompt = list(prompt)
@@ -325,10 +325,8 @@ class Scheduler:
         resident to take, a fresh cache (a restore where a snapshot fits)."""
         limit = len(seq.tokens) - 1  # at least one token to read: its logits give the next
         if seq.sibling is not None:
-            waiting, cache = self._from_sibling(seq, limit)
-            if waiting:
-                return None
-            if cache is not None:
+            waiting, cache = state_from_sibling(self, seq, limit)
+            if waiting or cache is not None:  # None while waiting: it waits, first in line
                 return cache
         best, shared = None, 0
         for r in self.residents:
@@ -384,30 +382,6 @@ class Scheduler:
                     cache.release()
                 return None
         return self._admitted(seq, cache, kept)
-
-    def _from_sibling(self, seq: Generation, limit: int) -> tuple[bool, KVCache | None]:
-        """``(wait, cache)`` for a sequence that shares its prompt with ``seq.sibling``
-        (one of a request's ``n`` choices): wait while the sibling reads the
-        prompt, then copy the prompt's state from it. Where it cannot (the sibling
-        ended, has recurrent layers, its ring moved past the prompt, or the pool
-        has no room) the sequence goes on
-        as any other (a resident left by the sibling still gives the prefix)."""
-        sibling = seq.sibling
-        if sibling.state == PREFILLING:  # it is reading the prompt now (a waiting one may stand behind us)
-            return True, None
-        seq.sibling = None
-        source = sibling.cache
-        # copy_prefix copies attention state (a sliding ring while it still holds the prompt), not recurrent state.
-        if sibling.state == FINISHED or source is None or source.recurrent_layers or self.private is not None \
-                or source.length < limit or sibling.tokens[:limit] != seq.tokens[:limit]:
-            return False, None
-        cache = KVCache.on_pool(self.pool, self.context_length)
-        if self._room_for(cache, len(seq.tokens)) and cache.copy_prefix(source, limit):
-            cache.reserve(len(seq.tokens) - limit)
-            self.counters["prefix_copies"] += 1
-            return False, self._admitted(seq, cache, limit)
-        cache.release()
-        return False, None
 
     def _admitted(self, seq: Generation, cache: KVCache, kept: int) -> KVCache:
         """Count a prefix query of ``seq`` that reuses ``kept`` tokens."""

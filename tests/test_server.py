@@ -134,7 +134,7 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_reuses_the_cached_prefi
             arguments[delta_call.index] = arguments.get(delta_call.index, "") + (delta_call.function.arguments or "")
         finish = chunk.choices[0].finish_reason if chunk.choices and chunk.choices[0].finish_reason else finish
     assert finish == "tool_calls" and names == {0: "get_weather"} and arguments == {0: call.function.arguments}
-    history = messages + [choice.message.model_dump(exclude_none=True),
+    history = messages + [choice.message.model_dump(),  # as an agent sends it back: every field, nulls included
                           {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18, "sky": "cloudy"}'}]
     answer = client.chat.completions.create(messages=history, **options)
     assert answer.choices[0].finish_reason in ("stop", "tool_calls", "length")

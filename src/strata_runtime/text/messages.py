@@ -21,7 +21,8 @@ from .chat_template import ChatTemplateError  # a RequestError: messages the tem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning",
-                 "thinking", "refusal", "function_call", "audio"}
+                 "thinking", "refusal", "function_call", "audio",
+                 "annotations"}  # the OpenAI client's own reply objects carry it: an agent sends them back as they are
 
 
 def _text(content: Any, where: str, allow_none: bool = False) -> str | None:

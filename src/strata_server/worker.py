@@ -165,7 +165,6 @@ class Requests:
         checks are the client's fault (400); anything else is logged with its
         traceback and answered 500 (tokenizing touches no engine state)."""
         from strata_runtime import Cancelled, QueueFull
-        from strata_runtime.errors import RequestError
 
         rid = command["id"]
         if rid in self.cancelled:  # cancelled before it started
@@ -203,12 +202,8 @@ class Requests:
         except QueueFull as e:
             self.channel.send(ev="error", id=rid, status=503, type="server_error", code="queue_full", message=str(e))
             return
-        except RequestError as e:
-            self._bad_request(rid, e)
-            return
         except Exception as e:
-            log.exception("request %s failed before it was queued (an internal error, not the request's)", rid)
-            self._internal_error(rid, e)
+            self._refuse(rid, e, "failed before it was queued")
             return
         finally:
             self.progress.end()
@@ -237,12 +232,8 @@ class Requests:
             else:
                 ids = engine.tokenize(command["prompt"], add_bos=command.get("add_special_tokens", True))
                 answer = {"tokens": ids}
-        except RequestError as e:
-            self._bad_request(rid, e)
-            return
         except Exception as e:
-            log.exception("request %s: tokenizing failed (an internal error)", rid)
-            self._internal_error(rid, e)
+            self._refuse(rid, e, "could not be tokenized")
             return
         self.channel.send(ev="done", id=rid, finish_reason="stop", prompt_tokens=len(answer["tokens"]),
                           completion_tokens=0, cached_tokens=0, stats=engine.stats(),
@@ -313,10 +304,15 @@ class Requests:
         return {**spelled(token), "logprob": logprob,
                 "top_logprobs": [{**spelled(t), "logprob": lp} for t, lp in alternatives]}
 
-    def _bad_request(self, rid: int, e: BaseException) -> None:
-        """The request's own error (``RequestError``): a 400 with the message, the context's code where it is that."""
-        from strata_runtime.errors import ContextLengthError
+    def _refuse(self, rid: int, e: BaseException, what: str) -> None:
+        """A request that failed before it ran: its own error (``RequestError``) is
+        its 400 (the context's code where it is that); anything else is ours, a 500, logged."""
+        from strata_runtime.errors import ContextLengthError, RequestError
 
+        if not isinstance(e, RequestError):
+            log.exception("request %s %s (an internal error, not the request's)", rid, what)
+            self._internal_error(rid, e)
+            return
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
         self.channel.send(ev="error", id=rid, status=400, type="invalid_request_error", code=code, message=str(e))
 

@@ -307,7 +307,6 @@ class Engine:
                   chat_template_kwargs: dict[str, Any] | None = None) -> "Run":
         prompt, calling = self.chat_request_prompt(messages, tools, tool_choice, parallel_tool_calls,
                                                    chat_template_kwargs, abort)
-        messages = normalize_messages(messages)
         grammar = calling.grammar()
         if grammar is not None:
             if sampling.get("grammar") is not None:
@@ -315,7 +314,8 @@ class Engine:
             sampling = {**sampling, "grammar": grammar}
         # Turn boundaries are where a returning conversation diverges: checkpoint there.
         boundaries = [] if self.conversations is None or self._turns is None else self._turns.boundaries(prompt)
-        root = boundaries[0] if boundaries and messages[0]["role"] == "system" else None
+        # (messages were checked by chat_request_prompt: the first is a dict with a role)
+        root = boundaries[0] if boundaries and messages[0]["role"] in ("system", "developer") else None
         run = self._start(prompt, sampling, boundaries, root=root, abort=abort, cache_scope=cache_scope)
         # A template that opens the reasoning itself (the prompt ends in <think>): the reply starts inside it.
         opened = self.tokenizer.decode(prompt[-3:], special=True).rstrip().endswith("<think>")

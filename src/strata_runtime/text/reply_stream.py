@@ -87,7 +87,7 @@ class ReplyStream:
         held = self._held
         end = held.find(UNTHINK)
         if end >= 0:
-            self._reason(held[:end].rstrip("\n"), final=True)
+            self._reason(held[:end].rstrip("\n"))
             self._held, self._mode = held[end + len(UNTHINK):], self._after_reasoning()
             return
         keep = _partial_suffix(held, UNTHINK)
@@ -95,12 +95,12 @@ class ReplyStream:
         if not final:  # newlines before </think> are trimmed: hold them until text follows
             trailing = len(text) - len(text.rstrip("\n"))
             text, keep = text[:len(text) - trailing], keep + trailing
-        self._reason(text, final)
+        self._reason(text)
         self._held = held[len(held) - keep:] if keep else ""
         if final:
             self._held = ""
 
-    def _reason(self, text: str, final: bool) -> None:
+    def _reason(self, text: str) -> None:
         if not self._started_reasoning:
             text = text.lstrip("\n")
         if text:

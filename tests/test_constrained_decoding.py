@@ -23,6 +23,7 @@ from tiny_models import CORPUS, Shape, write_tiny_model
 import strata_runtime
 from strata_runtime import Grammar, GrammarError
 from strata_runtime.scheduling import Constraint
+from strata_runtime.scheduling.sampling import allowed_top_k
 
 # Bounded everywhere, so a random model can close every value within max_tokens.
 PERSON = {
@@ -104,6 +105,33 @@ def test_greedy_tokens_are_the_argmax_of_the_masked_logits(tiny):
         forced += best != int(torch.argmax(row))
         assert matcher.consume_token(best)
     assert forced > 0  # the grammar overrode the model's choice somewhere, so the mask was applied
+
+
+def test_a_sampled_step_masks_only_its_top_k_when_enough_of_them_are_allowed(tiny):
+    """The top-k shortcut (mask the widened head, not the vocabulary) against
+    masking every token, teacher-forced along a sampled answer: where it
+    answers, its candidates are the masked logits' top k, in order; it
+    answers inside strings and steps aside where few tokens are allowed."""
+    prompt = tiny.tokenize("def f(x):")
+    grammar = Grammar.json_schema(PERSON)
+    c = tiny.generate(prompt, max_tokens=160, temperature=1.0, top_k=8, seed=4, grammar=grammar)
+    _valid(c.text, PERSON)
+    logits = tiny.logits(prompt + c.tokens)[len(prompt) - 1:]
+    constraint = Constraint(tiny.grammars.matcher(grammar), tiny.tokenizer.vocab.size)
+    answered = stepped_aside = 0
+    for i, token in enumerate(c.tokens):
+        row = logits[i].float()
+        head = allowed_top_k(row, constraint, 8)
+        masked = constraint.restrict(row)
+        if head is None:
+            stepped_aside += 1
+            assert int(torch.isfinite(masked[torch.topk(row, 4 * 8).indices]).sum()) < 8, i  # and only then
+        else:
+            answered += 1
+            values, ids = torch.topk(masked, 8)
+            assert torch.equal(head[1], ids) and torch.equal(head[0], values), i
+        constraint.advance(token)
+    assert answered > 0 and stepped_aside > 0, (answered, stepped_aside)
 
 
 def test_preempted_and_verified_sequences_give_the_tokens_they_give_alone(tiny_file, tiny):

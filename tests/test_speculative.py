@@ -376,12 +376,13 @@ def test_tokens_after_a_stop_string_are_dropped_and_the_stop_string_ends_the_ans
     """A verify yields several tokens a step: the ones after a stop string go,
     and the answer ends "stop" even where the same step reached max_tokens
     (decoding one token a step, the stop string would have come first)."""
-    seq = Generation(0, [1, 2], SamplingParams(), sampler=Sampler(SamplingParams()), max_tokens=3, tokens=[1, 2, 3, 4, 5],
-                     generated=[3, 4, 5])
+    seq = Generation(0, [1, 2], SamplingParams(), sampler=Sampler(SamplingParams()), max_tokens=3,
+                     tokens=[1, 2, 3, 4, 5], generated=[3, 4, 5])
     seq.cancel("length")
     seq.stop(unused=2)
     assert (seq.generated, seq.tokens, seq.finish_reason, seq.done) == ([3], [1, 2, 3], "stop", True)
-    seq = Generation(1, [1], SamplingParams(), sampler=Sampler(SamplingParams()), max_tokens=9, tokens=[1, 7], generated=[7])
+    seq = Generation(1, [1], SamplingParams(), sampler=Sampler(SamplingParams()), max_tokens=9,
+                     tokens=[1, 7], generated=[7])
     seq.cancel("length")
     seq.stop()  # nothing after the stop string: whatever ended the sequence stands
     assert (seq.generated, seq.finish_reason) == ([7], "length")

@@ -78,6 +78,12 @@ class Constraint:
             return False
         return bool((int(self.bitmask()[token >> 5]) >> (token & 31)) & 1)
 
+    def allowed_among(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (int64 ids in the vocabulary) -> bool, True where the grammar allows that token next:
+        a gather of ``len(tokens)`` bits, where ``restrict`` unpacks the whole vocabulary's."""
+        bits = self.bitmask()
+        return ((bits[tokens >> 5] >> (tokens & 31).to(torch.int32)) & 1).bool()
+
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[n]`` (n at least the vocabulary: rows past it are padding) with every token the
         grammar does not allow at -inf (a new tensor on ``logits``' device)."""

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..conversations import ConversationCache, Restored, common_prefix, owner_digest
+from ..conversations import ConversationCache, Restored, common_prefix
 from ..errors import QueueFull, RequestError
 from ..faults import StepFailed
 from ..speculation import Speculation
@@ -44,6 +44,7 @@ from .constraint import Constraint
 from .sampling import Sampler, SamplingParams
 from .sequence import DECODING, FINISHED, PREFILLING, WAITING, Generation, Resident
 from .siblings import state_from_sibling
+from .slots import slot_rows
 
 log = logging.getLogger(__name__)
 
@@ -342,13 +343,10 @@ class Scheduler:
             # The prompt parts from the resident: copy the shared prefix into a
             # sequence of its own where there is room, leaving the resident be
             # (two conversations alternating both stay on the device).
-            cache = KVCache.on_pool(self.pool, self.context_length)
-            if self._room_for(cache, len(seq.tokens)) and cache.copy_prefix(best.cache, shared):
-                cache.reserve(len(seq.tokens) - shared)  # room was checked for all of them
+            cache = self.admit_copy(seq, best.cache, shared)
+            if cache is not None:
                 best.last_used = time.monotonic()
-                self.counters["prefix_copies"] += 1
-                return self._admitted(seq, cache, shared)
-            cache.release()
+                return cache
         if best is not None:
             self.residents.remove(best)
             cache, held = best.cache, best.tokens
@@ -382,6 +380,18 @@ class Scheduler:
                     cache.release()
                 return None
         return self._admitted(seq, cache, kept)
+
+    def admit_copy(self, seq: Generation, source: KVCache, shared: int) -> KVCache | None:
+        """A fresh cache for ``seq`` holding a copy of ``source``'s first ``shared``
+        positions and blocks for the rest of its tokens; None (nothing held)
+        where the pool has no room for all of them or the copy cannot be made."""
+        cache = KVCache.on_pool(self.pool, self.context_length)
+        if self._room_for(cache, len(seq.tokens)) and cache.copy_prefix(source, shared):
+            cache.reserve(len(seq.tokens) - shared)  # room was checked for all of them
+            self.counters["prefix_copies"] += 1
+            return self._admitted(seq, cache, shared)
+        cache.release()
+        return None
 
     def _admitted(self, seq: Generation, cache: KVCache, kept: int) -> KVCache:
         """Count a prefix query of ``seq`` that reuses ``kept`` tokens."""
@@ -465,25 +475,8 @@ class Scheduler:
     # --- figures ----------------------------------------------------------------------------
 
     def slots(self) -> list[dict]:
-        """Every sequence the engine holds state for: running and waiting
-        requests, residents (finished, on the device) and parked
-        conversations (``where``: the tier, "ram" for the staging pool,
-        "disk" for files of the disk tier that RAM does not hold).
-        Scopes are not shown (they name clients); ``owner`` is the digest of
-        the scope's owner (``parked_entry.owner_digest``), for a server to
-        list each caller its own."""
-        out = [{"id": s.id, "state": s.state, "tokens": len(s.tokens), "prompt_tokens": len(s.prompt),
-                "generated_tokens": len(s.generated), "blocks": s.cache.held_blocks if s.cache else 0,
-                "where": "device", "preemptions": s.preemptions, "owner": owner_digest(s.scope)}
-               for s in (*self.running, *self.waiting)]
-        out += [{"state": "resident", "tokens": len(r.tokens), "blocks": r.cache.held_blocks, "where": "device",
-                 "owner": owner_digest(r.scope)} for r in self.residents]
-        if self.conversations is not None:
-            out += [{"state": "parked", "tokens": snap.length, "bytes": snap.stored.nbytes, "where": "ram",
-                     "owner": snap.stored.meta.owner} for snap in self.conversations.snapshots]
-            out += [{"state": "parked", "tokens": len(e.tokens), "bytes": e.meta.payload_bytes, "where": "disk",
-                     "owner": e.meta.owner} for e in self.conversations.disk_only()]
-        return out
+        """Every sequence the engine holds state for (``slot_rows``)."""
+        return slot_rows(self)
 
     def stats(self) -> dict:
         """Counters, and the queue, running and resident figures now."""

@@ -23,10 +23,4 @@ def state_from_sibling(scheduler, seq: Generation, limit: int) -> tuple[bool, KV
     if sibling.state == FINISHED or source is None or source.recurrent_layers or scheduler.private is not None \
             or source.length < limit or sibling.tokens[:limit] != seq.tokens[:limit]:
         return False, None
-    cache = KVCache.on_pool(scheduler.pool, scheduler.context_length)
-    if scheduler._room_for(cache, len(seq.tokens)) and cache.copy_prefix(source, limit):
-        cache.reserve(len(seq.tokens) - limit)
-        scheduler.counters["prefix_copies"] += 1
-        return False, scheduler._admitted(seq, cache, limit)
-    cache.release()
-    return False, None
+    return False, scheduler.admit_copy(seq, source, limit)

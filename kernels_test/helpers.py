@@ -39,8 +39,9 @@ def random_quant_tensor(qtype: T, rows: int, blocks_per_row: int, seed: int) -> 
         scale = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
         blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
     if qtype == T.IQ1_M:
-        # Its float16 scale is spread over nibbles; clearing exponent bit 14 keeps it finite.
-        blocks[:, 49] &= 0b1011_1111
+        # Its float16 scale is spread over the top nibbles of four words (d's bits 12-15 are byte 55's top
+        # nibble): clearing d's exponent bit 14 keeps it finite.
+        blocks[:, 55] &= 0b1011_1111
     data = torch.from_numpy(blocks.reshape(rows, -1))
     return QuantTensor(data, qtype, (rows, cols))
 

@@ -57,6 +57,9 @@ def test_info_describes_the_model(model_file):
     for expected in ("f16 stored as bfloat16 with --dtype auto on cpu","f16     18432 bytes per token (1.000x f16), 144.0 MiB",
                      "int8     9504 bytes per token (0.516x f16)", "k8v4     7344 bytes per token (0.398x f16)"):
         assert expected in fast, expected
+    # Per tensor type, what each path reads: the exact path dense copies, the default one the file's blocks.
+    assert re.search(r"Q4_K\s+\d+ tensors\s+[\d.]+ MiB  dense float32 copy made at load \([\d.]+ MiB\)", text), text
+    assert re.search(r"Q4_K\s+\d+ tensors\s+[\d.]+ MiB  GGUF blocks \(CPU kernels\)", fast), fast
 
 
 def test_info_on_a_llama_file(smollm2_file):

@@ -167,7 +167,12 @@ def test_fast_path_falls_back_to_dense_bfloat16_for_a_type_the_kernels_do_not_re
 
     from strata_kernels import QuantTensor
 
-    iq = QuantTensor(torch.zeros(2, 136, dtype=torch.uint8), T.IQ4_XS, (2, 256))
-    assert not cpu_kernels.supports(iq)
-    layer = Linear(iq, Backend.choose("cpu", torch.bfloat16))
+    from strata_runtime.models import weight_paths
+
+    other = QuantTensor(torch.zeros(2, 17 * 8, dtype=torch.uint8), T.MXFP4, (2, 256))
+    assert not cpu_kernels.supports(other)
+    layer = Linear(other, Backend.choose("cpu", torch.bfloat16))
     assert layer.qweight is None and layer.weight.dtype == torch.bfloat16
+    iq = QuantTensor(torch.zeros(2, 136, dtype=torch.uint8), T.IQ4_XS, (2, 256))
+    both = torch.nn.ModuleList([layer, Linear(iq, Backend.choose("cpu", torch.bfloat16))])
+    assert weight_paths(both) == {"IQ4_XS": "GGUF blocks", "MXFP4": "dense copy (0.0 MiB)"}

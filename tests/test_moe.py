@@ -27,6 +27,8 @@ CASES = [  # (shape, expert weight type, seed)
            tied=False), Q.Q4_0, 1),
     (Shape(hidden=256, heads=4, kv_heads=1, head_dim=64, experts=6, experts_per_token=2, expert_ffn=256), Q.Q4_K, 2),
     (Shape(experts=5, experts_per_token=1, expert_ffn=32), Q.F32, 3),
+    (IQ_SHAPE := Shape(hidden=256, heads=4, kv_heads=1, head_dim=64, experts=4, experts_per_token=2,
+                       expert_ffn=256, tied=False), Q.IQ4_XS, 4),
 ]
 
 
@@ -119,6 +121,21 @@ def test_default_path_and_quantized_kv_within_bounds(tmp_path):
         kl, top1 = _kl(logits, reference), float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
         print(f"qwen3moe {dtype} {kv}: KL {kl:.4f}, top-1 {top1:.1%}")
         assert kl <= max_kl and top1 >= min_top1, (dtype, kv, kl, top1)
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ4_XS, Q.IQ3_S], ids=lambda t: t.name)
+def test_iq_files_run_on_the_kernels_within_bounds(tmp_path, qtype):
+    """An IQ file's projections and experts stay GGUF blocks read by the CPU
+    kernels (no dense copy), within the default path's bounds of the exact path."""
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", IQ_SHAPE, 6, qtype)
+    exact, fast = _load(path), _load(path, dtype="auto")
+    assert fast.props()["compute_path"]["weights"] == {qtype.name: "GGUF blocks"}
+    assert fast.model.layers[0].mlp.kernel == {"gate": "cpu", "up": "cpu", "down": "cpu"}
+    ids = exact.tokenize(TEXT)
+    reference, logits = exact.logits(ids), fast.logits(ids)
+    kl, top1 = _kl(logits, reference), float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+    max_kl, min_top1 = BOUNDS[("auto", "f16")]
+    assert kl <= max_kl and top1 >= min_top1, (kl, top1)
 
 
 def test_a_two_stage_split_counts_and_runs_the_experts(tmp_path):

@@ -68,6 +68,28 @@ def random_k_blocks(rng, qtype: GGMLQuantizationType, shape: tuple[int, ...], st
     return blocks.reshape(*shape[:-1], -1)
 
 
+# Types gguf-py cannot quantize whose one float16 scale d sits at this offset (no minimum): random codes and
+# sub-block scales, d set from their measured spread.
+_Q = GGMLQuantizationType
+SCALED_BLOCKS = {_Q.Q3_K: 108, _Q.IQ4_NL: 0, _Q.IQ4_XS: 0, _Q.IQ3_S: 0, _Q.IQ3_XXS: 0, _Q.IQ2_XXS: 0, _Q.IQ2_XS: 0,
+                 _Q.IQ2_S: 0, _Q.IQ1_S: 0}
+
+
+def random_scaled_blocks(rng, qtype: GGMLQuantizationType, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Random blocks of a ``SCALED_BLOCKS`` type whose weights spread about ``std`` (d chosen from the spread
+    the same codes give with d = 1: the weights are linear in d)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    block_size, size = GGML_QUANT_SIZES[qtype]
+    at_d = SCALED_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block_size, size), dtype=np.uint8)
+    blocks[..., at_d:at_d + 2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    spread = float(dequantize(blocks.reshape(-1, size)[:256], qtype).std())
+    blocks[..., at_d:at_d + 2] = np.frombuffer(np.float16(std / spread).tobytes(), dtype=np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
+
+
 class RandomTensors:
     """Adds random tensors to a GGUF being written: ``weight`` (projections,
     stored as ``qtype`` where ``quantized``, else F32) and ``vector`` (norms,
@@ -78,8 +100,10 @@ class RandomTensors:
 
     def weight(self, name: str, rows: int, cols: int, scale: float, quantized: bool = True, experts: int = 0) -> None:
         shape = (experts, rows, cols) if experts else (rows, cols)
-        if quantized and self.qtype in K_QUANT_SPREAD:  # gguf-py cannot quantize these: random blocks
-            data = random_k_blocks(self.rng, self.qtype, shape, scale)
+        if quantized and (self.qtype in K_QUANT_SPREAD or self.qtype in SCALED_BLOCKS):
+            # gguf-py cannot quantize these: random blocks
+            random_blocks = random_k_blocks if self.qtype in K_QUANT_SPREAD else random_scaled_blocks
+            data = random_blocks(self.rng, self.qtype, shape, scale)
             self.w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=self.qtype)
             return
         array = (self.rng.standard_normal(shape) * scale).astype(np.float32)

@@ -39,13 +39,17 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as T
 
+from .cpu_tables import header_text
 from .launch import CPU_GEMV_MAX_M, CPU_SLAB_ROWS
 from .quant_tensor import QuantTensor
 
 log = logging.getLogger(__name__)
 
-# The types gguf_blocks.h decodes.
-CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+# The types csrc/gguf_types.h decodes (the block formats of llama.cpp's quantized files; not the ternary
+# TQ1_0/TQ2_0 or MXFP4).
+CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                              T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S,
+                              T.IQ1_M})
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qdot_cpu.cpp", "dequant_cpu.cpp", "decode_cpu.cpp", "decode_block_cpu.cpp",
@@ -136,10 +140,18 @@ def _build(variant: str):
     # fused multiply-adds unless the source asks for one).
     with _build_lock(build_directory), \
             _progress_line(f"building the CPU kernels ({variant}; once per machine, about a minute)"):
+        _write_if_changed(build_directory / "iq_tables.h", header_text())  # the IQ grids, from gguf.quants
         return load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_directory),
-                    extra_include_paths=[str(_CSRC)],
+                    extra_include_paths=[str(_CSRC), str(build_directory)],
                     extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless it holds it already (a new mtime would rebuild the kernels)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .conversations import CacheSettings, HostMemory, StagingSegment, open_disk_tier, reserve_conversations
 from .errors import ContextLengthError, RequestError, RequestTypeError
 from .files import GGUFFile, Placement, check_device, default_model_path, model_file_identity
-from .models import build_model, check_vocabulary, forward_chunks, open_model
+from .models import build_model, check_vocabulary, forward_chunks, open_model, weight_paths
 from .scheduling import Completion, Constraint, Run, SamplingParams, reserve_scheduler, run_together
 from .state import KVCache, row_bytes, state_fingerprint
 from .text import (
@@ -427,7 +427,7 @@ class Engine:
     def _compute_path_state(self) -> dict[str, str]:
         """What ``dtype`` resolved to here, and why (``compute_path``)."""
         path = self.model.compute_path
-        return {"requested": path.requested, "activations": path.name,
+        return {"requested": path.requested, "activations": path.name, "weights": weight_paths(self.model),
                 "prefill_matmuls": str(path.prefill_matmuls).removeprefix("torch."), "reason": path.reason}
 
     def _cpu_kernels_state(self) -> str:

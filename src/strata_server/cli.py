@@ -392,10 +392,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     if (experts := c.experts()) is not None:
         print(f"experts:         {experts.count} per layer, {experts.per_token} per token, "
               f"feed-forward {experts.width} each")
-    print("tensors:")
+    path = resolve(args.dtype, args.device)
+    print(f"tensors (how --dtype {args.dtype} on {args.device} reads each type):")
+    reads = _type_paths(gguf, path, args.device)
     for name, (count, nbytes) in sorted(describe_types(gguf).items(), key=lambda kv: -kv[1][1]):
-        print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB")
-    kv_float = resolve(args.dtype, args.device).kv_float
+        print(f"  {name:<8} {count:>4} tensors {nbytes / MiB:>9.1f} MiB  {reads[name]}")
+    kv_float = path.kv_float
     storage = f16_storage_dtype(args.device, kv_float)
     float_bytes = f16_storage_bytes(args.device, kv_float)
     print(f"KV cache for a context of {context} tokens (all layers, scales included; f16 stored as "
@@ -415,6 +417,32 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.devices or args.layer_split:
         _print_split(gguf, args, context)
     return 0
+
+
+def _type_paths(gguf, path, device: str) -> dict[str, str]:
+    """Per tensor type of ``gguf``: what the compute ``path`` on ``device`` reads it as (a type the kernels
+    cannot read is dequantized at load: the dense copy's size is named)."""
+    import math
+
+    import torch
+    from strata_kernels.cpu_kernels import CPU_KERNEL_TYPES
+    from strata_kernels.formats import FLOAT_TYPES
+
+    dense: dict[str, int] = {}
+    out: dict[str, str] = {}
+    for info in gguf.tensor_infos():
+        name = info.qtype.name
+        if info.qtype in FLOAT_TYPES:
+            out[name] = "dense (a float type)"
+        elif torch.device(device).type != "cpu":
+            out[name] = "GGUF blocks (Triton kernels)"
+        elif path.fast and info.qtype in CPU_KERNEL_TYPES:
+            out[name] = "GGUF blocks (CPU kernels)"
+        else:
+            dense[name] = dense.get(name, 0) + math.prod(info.shape) * path.activations.itemsize
+    for name, nbytes in dense.items():
+        out[name] = f"dense {path.name} copy made at load ({nbytes / MiB:.1f} MiB)"
+    return out
 
 
 def _print_split(gguf, args: argparse.Namespace, context: int) -> None:

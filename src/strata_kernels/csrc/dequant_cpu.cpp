@@ -16,7 +16,7 @@
 // torch.set_num_threads governs these kernels too.
 
 #include "cpu_kernels.h"
-#include "gguf_blocks.h"
+#include "gguf_types.h"
 
 #include <ATen/Parallel.h>
 

@@ -107,7 +107,28 @@ inline __m256i small_block_codes32(const uint8_t* qs, uint32_t qh) {
 // Each type also has scales(block, scale[], minv[]) (the block's header) and,
 // where the CPU has AVX2 (STRATA_CODES32), codes32(block, c): the stored
 // unsigned codes (q + CODE_OFFSET) of weights c..c+31 in one register,
-// never in memory.
+// never in memory. A type of 256-weight super-blocks also has
+// scale_vectors(block): its ScaleVectors.
+
+#ifdef STRATA_CODES32
+// A super-block's scales and minimums in registers (written to an array and
+// read back as vectors, they stall on store forwarding at every block):
+// scale j of 8 (one per 32 weights) in lane j of scale_lo, of 16 (one per 16
+// weights) in lane j % 8 of scale_lo (j < 8) or scale_hi; minimums alike
+// (zero for types without).
+struct ScaleVectors {
+  __m256 scale_lo, scale_hi, min_lo, min_hi;
+};
+
+// ScaleVectors from a type's scalar scales(): for the types whose decode
+// costs far more than a store-forwarding stall per 256 weights.
+template <class T>
+inline ScaleVectors scale_vectors_of(const uint8_t* b) {
+  alignas(32) float scale[16] = {}, minv[16] = {};
+  T::scales(b, scale, minv);
+  return {_mm256_load_ps(scale), _mm256_load_ps(scale + 8), _mm256_load_ps(minv), _mm256_load_ps(minv + 8)};
+}
+#endif
 
 // The four 32-weight types, one layout: a float16 scale d; with a minimum
 // (Q4_1, Q5_1) a float16 m, w = d*q + m, else w = d*(q - 2^(bits-1)); with
@@ -183,6 +204,21 @@ inline __m256i nibbles32(const uint8_t* p, bool high) {
 }
 #endif
 
+#ifdef STRATA_CODES32
+// k_scales_mins in registers.
+inline ScaleVectors k_scale_vectors(const uint8_t* b) {
+  const uint8_t* s = b + 4;
+  const __m256i sc = _mm256_setr_epi32(s[0] & 63, s[1] & 63, s[2] & 63, s[3] & 63, (s[8] & 15) | ((s[0] >> 6) << 4),
+                                       (s[9] & 15) | ((s[1] >> 6) << 4), (s[10] & 15) | ((s[2] >> 6) << 4),
+                                       (s[11] & 15) | ((s[3] >> 6) << 4));
+  const __m256i m = _mm256_setr_epi32(s[4] & 63, s[5] & 63, s[6] & 63, s[7] & 63, (s[8] >> 4) | ((s[4] >> 6) << 4),
+                                      (s[9] >> 4) | ((s[5] >> 6) << 4), (s[10] >> 4) | ((s[6] >> 6) << 4),
+                                      (s[11] >> 4) | ((s[7] >> 6) << 4));
+  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(sc));
+  return {scale, scale, _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), _mm256_cvtepi32_ps(m)), _mm256_setzero_ps()};
+}
+#endif
+
 struct Q4_K {
   static constexpr int B = 256, BYTES = 144, SG = 32;
   static constexpr int CODE_BITS = 4, CODE_OFFSET = 0;
@@ -201,6 +237,7 @@ struct Q4_K {
   }
 #ifdef STRATA_CODES32
   static __m256i codes32(const uint8_t* b, int c) { return nibbles32(b + 16 + 32 * (c / 64), (c / 32) & 1); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return k_scale_vectors(b); }
 #endif
 };
 
@@ -229,6 +266,7 @@ struct Q5_K {
     const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(qh, c / 32), _mm256_set1_epi8(1));
     return _mm256_or_si256(nibbles32(b + 48 + 32 * (c / 64), (c / 32) & 1), _mm256_slli_epi16(fifth, 4));
   }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return k_scale_vectors(b); }
 #endif
 };
 
@@ -271,6 +309,13 @@ struct Q6_K {
     const __m256i top2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), _mm256_set1_epi8(3));
     return _mm256_or_si256(low4, _mm256_slli_epi16(top2, 4));
   }
+  static ScaleVectors scale_vectors(const uint8_t* b) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 d = _mm256_set1_ps(half_at(b + 208));
+    return {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))),
+            _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 
@@ -294,41 +339,6 @@ void with_rows(int M, F&& f) {
     case 7: return f(std::integral_constant<int, 7>{});
     case 8: return f(std::integral_constant<int, 8>{});
   }
-}
-
-// GGML type ids (gguf.GGMLQuantizationType).
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
-template <class F>
-void with_type(int64_t qtype, F&& f) {
-  switch (qtype) {
-    case kQ4_0: return f(Q4_0{});
-    case kQ4_1: return f(Q4_1{});
-    case kQ5_0: return f(Q5_0{});
-    case kQ5_1: return f(Q5_1{});
-    case kQ8_0: return f(Q8_0{});
-    case kQ4_K: return f(Q4_K{});
-    case kQ5_K: return f(Q5_K{});
-    case kQ6_K: return f(Q6_K{});
-  }
-  TORCH_CHECK(false, "no CPU kernel for GGML type ", qtype);
-}
-
-template <class T>
-void check_blocks(const torch::Tensor& blocks, int64_t K) {
-  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2, "blocks must be 2-D uint8");
-  TORCH_CHECK(blocks.is_contiguous(), "blocks must be contiguous");
-  TORCH_CHECK(K % T::B == 0, "K=", K, " is not a multiple of the block size ", T::B);
-  TORCH_CHECK(blocks.size(1) == K / T::B * T::BYTES, "a row of blocks has ", blocks.size(1),
-              " bytes, K=", K, " needs ", K / T::B * T::BYTES);
-}
-
-// sum(x) over each group of `group` columns, per row: [M, K / group].
-inline std::vector<float> group_sums(const std::vector<float>& x, int64_t M, int64_t K, int group) {
-  std::vector<float> sums(M * (K / group), 0.0f);
-  for (size_t i = 0; i < sums.size(); ++i)
-    for (int l = 0; l < group; ++l) sums[i] += x[i * group + l];
-  return sums;
 }
 
 }  // namespace strata_cpu

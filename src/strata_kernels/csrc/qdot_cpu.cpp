@@ -32,7 +32,7 @@
 // follow the -march of the build; the plain C++ branch serves any CPU.
 
 #include "cpu_kernels.h"
-#include "gguf_blocks.h"
+#include "gguf_types.h"
 
 #include <ATen/Parallel.h>
 
@@ -163,34 +163,6 @@ inline GroupAcc spread_pairs(ScaleLanes v, int first, bool odd) {
 // Two floats into lanes 0 and 1 (through __m128i, which may alias anything:
 // a double* load of a float array is undefined and GCC drops the stores).
 inline __m128 load_two(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-// A K-quant super-block's scales and minimums in registers (written to an
-// array and read back as vectors, they stalled on store forwarding at every
-// block): Q4_K and Q5_K's eight 6-bit (scale, min) pairs as k_scales_mins
-// decodes them, Q6_K's sixteen int8 scales; times d (and dmin).
-struct SuperScales {
-  ScaleLanes scale;
-  __m256 minv;
-};
-template <class T>
-inline SuperScales super_scales(const uint8_t* b) {
-  if constexpr (T::SG == 16) {  // Q6_K
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    const __m256 d = _mm256_set1_ps(half_at(b + 208));
-    return {scale_lanes(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
-                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))),
-            _mm256_setzero_ps()};
-  } else {  // Q4_K, Q5_K
-    const uint8_t* s = b + 4;
-    const __m256i sc = _mm256_setr_epi32(s[0] & 63, s[1] & 63, s[2] & 63, s[3] & 63, (s[8] & 15) | ((s[0] >> 6) << 4),
-                                         (s[9] & 15) | ((s[1] >> 6) << 4), (s[10] & 15) | ((s[2] >> 6) << 4),
-                                         (s[11] & 15) | ((s[3] >> 6) << 4));
-    const __m256i m = _mm256_setr_epi32(s[4] & 63, s[5] & 63, s[6] & 63, s[7] & 63, (s[8] >> 4) | ((s[4] >> 6) << 4),
-                                        (s[9] >> 4) | ((s[5] >> 6) << 4), (s[10] >> 4) | ((s[6] >> 6) << 4),
-                                        (s[11] >> 4) | ((s[7] >> 6) << 4));
-    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(sc));
-    return {scale_lanes(scale, scale), _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), _mm256_cvtepi32_ps(m))};
-  }
-}
 #else
 constexpr int kGroupSteps = 1;  // no SIMD: one step at a time, in plain C++
 #endif
@@ -209,25 +181,26 @@ inline uint16_t half_bits(const uint8_t* p) {  // a float16 as stored
 // (0 past K); dxv[(m*G + g)*4S + 4i + l] == dx of step i of group g (l < 4; 0
 // past K); xsum[m*K/32 + i] = sum of x over columns 32i..32i+31 (padded by 4
 // zeros, which a partial group's vector loads may reach): the types with a
-// minimum (Q4_1, Q5_1, Q4_K, Q5_K) have one per 32 weights.
+// minimum (Q4_1, Q5_1, Q4_K, Q5_K) have one per 32 weights; xsum16 the same
+// per 16 columns (Q2_K's minimums).
 struct XCodes;
 
 // Rows m0.. of an XCodes, as the GEMV reads them (row m of the view is row
 // m0 + m of the call).
 struct XRows {
   const int16_t* grouped;
-  const float *dxv, *xsum;
+  const float *dxv, *xsum, *xsum16;
   int64_t K, groups;
 };
 
 struct XCodes {
   int64_t K = 0, groups = 0;
   std::vector<int16_t> grouped;
-  std::vector<float> dxv, xsum;
+  std::vector<float> dxv, xsum, xsum16;
 
   XRows rows(int64_t m0) const {
     return {grouped.data() + m0 * groups * kGroupCols, dxv.data() + m0 * groups * 4 * kGroupSteps,
-            xsum.data() + m0 * (K / kXBlock), K, groups};
+            xsum.data() + m0 * (K / kXBlock), xsum16.data() + m0 * (K / 16), K, groups};
   }
 };
 
@@ -253,6 +226,7 @@ XCodes prepare_x(const std::vector<float>& x32, int64_t M, int64_t K) {
   quantize_rows(x32.data(), M, K, codes.data(), dx.data());
   x.xsum = group_sums(x32, M, K, kXBlock);
   x.xsum.resize(x.xsum.size() + 4, 0.0f);
+  x.xsum16 = group_sums(x32, M, K, 16);
   const int64_t steps = K / kXBlock, G = (steps + kGroupSteps - 1) / kGroupSteps, C = kGroupCols;
   x.groups = G;
   x.grouped.assign(M * G * C, 0);
@@ -277,11 +251,11 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
   static_assert(T::B == kXBlock || T::B % kGroupCols == 0, "a group lies within a block, or covers whole blocks");
   constexpr int G = T::B / T::SG;
-  static_assert(!T::HAS_MIN || T::SG == kXBlock, "a minimum per 32 weights (x.xsum)");
+  static_assert(!T::HAS_MIN || T::SG == kXBlock || T::B == 256, "a minimum per 32 weights, or per 16 in a super-block");
   const int64_t K = x.K, steps = K / kXBlock;
-  const float* xsum = x.xsum;
-  static_assert(T::B == kXBlock || G == 8 || G == 16, "K-quant super-blocks: 8 scales (and mins) or 16 scales");
-  SuperScales block_scales;  // of the super-block being read (several groups per block)
+  const float *xsum = x.xsum, *xsum16 = x.xsum16;
+  static_assert(T::B == kXBlock || G == 8 || G == 16, "super-blocks: 8 or 16 scales (and minimums)");
+  ScaleLanes block_scales;  // of the super-block being read (several groups per block)
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     if (n + kPrefetchRows < n1) prefetch(row + kPrefetchRows * row_bytes, row_bytes);
@@ -321,21 +295,26 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
         const int c0 = int(col % T::B);
         const uint8_t* block = row + b * T::BYTES;
         if (c0 == 0) {
-          block_scales = super_scales<T>(block);
-          if constexpr (T::HAS_MIN) {  // G == 8 minimums, each times its 32 columns' sum of x
-            const __m128 mlo = _mm256_castps256_ps128(block_scales.minv), mhi = _mm256_extractf128_ps(block_scales.minv, 1);
+          const ScaleVectors v = T::scale_vectors(block);
+          block_scales = scale_lanes(v.scale_lo, G == 16 ? v.scale_hi : v.scale_lo);
+          if constexpr (T::HAS_MIN) {  // G minimums, each times its columns' sum of x
+            const __m128 m0 = _mm256_castps256_ps128(v.min_lo), m1 = _mm256_extractf128_ps(v.min_lo, 1);
             for (int m = 0; m < M; ++m) {
-              const float* xs = xsum + m * steps + b * G;
-              mins[m] = _mm_fmadd_ps(mhi, _mm_loadu_ps(xs + 4), _mm_fmadd_ps(mlo, _mm_loadu_ps(xs), mins[m]));
+              const float* xs = (G == 8 ? xsum + m * steps : xsum16 + m * (K / 16)) + b * G;
+              mins[m] = _mm_fmadd_ps(m1, _mm_loadu_ps(xs + 4), _mm_fmadd_ps(m0, _mm_loadu_ps(xs), mins[m]));
+              if constexpr (G == 16) {
+                const __m128 m2 = _mm256_castps256_ps128(v.min_hi), m3 = _mm256_extractf128_ps(v.min_hi, 1);
+                mins[m] = _mm_fmadd_ps(m3, _mm_loadu_ps(xs + 12), _mm_fmadd_ps(m2, _mm_loadu_ps(xs + 8), mins[m]));
+              }
             }
           }
         }
         for (int i = 0; i < kGroupSteps; ++i) steps_codes[i] = signed_codes32<T>(block, c0 + kXBlock * i);
         if constexpr (T::SG == 32) {
-          lo = hi = spread_lanes(block_scales.scale, c0 / 32);
+          lo = hi = spread_lanes(block_scales, c0 / 32);
         } else {
-          lo = spread_pairs(block_scales.scale, c0 / 16, false);
-          hi = spread_pairs(block_scales.scale, c0 / 16, true);
+          lo = spread_pairs(block_scales, c0 / 16, false);
+          hi = spread_pairs(block_scales, c0 / 16, true);
         }
       }
       GroupCodes cw[4];
@@ -380,9 +359,8 @@ template <class T, int M>
 void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, int64_t N, int64_t n0, int64_t n1) {
   static_assert(T::B % kXBlock == 0 && (T::SG == 16 || T::SG == 32), "32-weight steps, 16 or 32 per scale");
   constexpr int G = T::B / T::SG;
-  static_assert(!T::HAS_MIN || T::SG == kXBlock, "a minimum per 32 weights (x.xsum)");
-  const int64_t K = x.K, blocks = K / T::B, steps = K / kXBlock;
-  const float* xsum = x.xsum;
+  const int64_t K = x.K, blocks = K / T::B, per_row = K / T::SG;
+  const float* xsum = T::SG == kXBlock ? x.xsum : x.xsum16;  // sums of x per scale group
   typename T::Block d;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -403,7 +381,7 @@ void qgemv_rows(const uint8_t* w, int64_t row_bytes, const XRows& x, float* y, i
       }
       if constexpr (T::HAS_MIN)
         for (int g = 0; g < G; ++g)
-          for (int m = 0; m < M; ++m) mins[m] += d.minv[g] * xsum[m * steps + b * G + g];
+          for (int m = 0; m < M; ++m) mins[m] += d.minv[g] * xsum[m * per_row + b * G + g];
     }
     for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] - mins[m];
   }

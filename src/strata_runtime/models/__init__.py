@@ -5,6 +5,7 @@ a GGUF file, and running one sequence over its cache (``generation``)."""
 from .decoder import finish
 from .fused_decode import FusedDecode
 from .generation import decode_step, forward_chunks, prefill
+from .layers import weight_paths
 from .loader import build_model, check_vocabulary, open_model
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "forward_chunks",
     "open_model",
     "prefill",
+    "weight_paths",
 ]

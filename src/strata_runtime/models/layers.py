@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from strata_kernels import (
     prepare_rows,
     qmatmul,
 )
+from strata_kernels.formats import FLOAT_TYPES
 from strata_kernels.launch import CPU_GEMV_MAX_M
 from strata_kernels.qmatmul import preparation_key
 
@@ -46,6 +48,7 @@ class Linear(nn.Module):
         self.qweight: QuantTensor | None = None
         self.planes: WordPlanes | None = None
         self.weight = None
+        self.source_type = weight.qtype.name  # the file's type, whatever form the weight takes here
         if backend.kernels == "triton" and has_word_layout(weight):
             self.planes = WordPlanes.of(weight)
         elif backend.keeps_blocks(weight):
@@ -295,3 +298,24 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.down(self.act_mul(gate, up, self.cpu_kernel))
+
+
+FLOAT_TYPE_NAMES = frozenset(t.name for t in FLOAT_TYPES)
+
+
+def weight_paths(model: nn.Module) -> dict[str, str]:
+    """How the model's matmul weights of each quantized GGUF type are read, by
+    type name: "GGUF blocks" (kernels read the file's blocks) or "dense copy
+    (N MiB)" (dequantized at load: a type this device's kernels cannot read).
+    Float types are left out (dense is their form)."""
+    blocks, dense = set(), Counter()
+    for m in model.modules():
+        if isinstance(m, Linear) and m.source_type not in FLOAT_TYPE_NAMES:
+            if m.weight is None:
+                blocks.add(m.source_type)
+            else:
+                dense[m.source_type] += m.weight.numel() * m.weight.element_size()
+    out = {name: "GGUF blocks" for name in sorted(blocks - set(dense))}
+    out.update({name: f"dense copy ({n / 2**20:.1f} MiB)" for name, n in sorted(dense.items())})
+    return out
+

@@ -9,6 +9,7 @@ their ``Placement`` differs.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,10 @@ from strata_kernels import QuantTensor
 from ..errors import ModelFileError, StrataError
 from ..faults import describe, is_out_of_memory
 from ..files import EMBEDDING, Backend, ComputePath, GGUFFile, Placement, resolve
+from .layers import weight_paths
 from .registry import model_module
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,4 +173,9 @@ def build_model(opened: OpenedModel, placement: Placement, dtype: str, progress:
     model.activations = path.activations
     model.compute_path = path
     model.backends = weights.backends()
+    dense = {name: how for name, how in weight_paths(model).items() if how.startswith("dense")}
+    if dense and path.fast:
+        log.warning("the kernels here cannot read %s: dequantized at load instead, costing %s of memory and "
+                    "speed (strata info lists what each type takes)", ", ".join(dense),
+                    ", ".join(f"{name} {how.removeprefix('dense copy ')}" for name, how in dense.items()))
     return model

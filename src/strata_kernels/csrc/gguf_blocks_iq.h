@@ -1,0 +1,379 @@
+// The IQ family as the CPU kernels read it (the contract of a type is
+// gguf_blocks.h's): each block's codebook or grid lookups decode to signed
+// 8-bit codes (in registers, with AVX2), so the GEMV multiplies them with
+// x's 16-bit codes exactly as it does the other types'. Tables: iq_tables.h,
+// generated from gguf.quants at build time (cpu_tables.py).
+//
+// IQ1's weights are d_l * (g + delta) with g in {-1, 0, 1} and delta = +-1/8:
+// the codes are 8g +- 1 and the scale d_l / 8 (exact: a power of two), so
+// dequantization still rounds once, as gguf-py does.
+#pragma once
+
+#include "gguf_blocks.h"
+#include "iq_tables.h"
+
+namespace strata_cpu {
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Byte j of a packed grid entry (value j of its weights).
+inline int8_t grid_value(uint64_t entry, int j) { return int8_t(uint8_t(entry >> (8 * j))); }
+
+// Weights at q[0..8*n): n grid entries of 8 values, each negated where its sign byte says.
+inline void grid8_codes(const uint64_t* entries, const uint8_t* sign_bytes, int n, int8_t* q) {
+  for (int l = 0; l < n; ++l)
+    for (int j = 0; j < 8; ++j) {
+      const int8_t v = grid_value(entries[l], j);
+      q[8 * l + j] = (sign_bytes[l] >> j) & 1 ? int8_t(-v) : v;
+    }
+}
+
+#ifdef STRATA_CODES32
+// Byte j of `values` negated where bit j of `signs` is set.
+inline __m256i with_signs(__m256i values, uint32_t signs) {
+  const __m256i negate = bytes_of_bits(signs);
+  return _mm256_sub_epi8(_mm256_xor_si256(values, negate), negate);
+}
+inline __m256i grid8x4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  return _mm256_set_epi64x(int64_t(d), int64_t(c), int64_t(b), int64_t(a));
+}
+// IQ4's codebook applied to 32 nibbles (16 bytes: low nibbles first, then high).
+inline __m256i iq4_codes32(const uint8_t* qs) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kValuesIQ4NL)));
+  return _mm256_shuffle_epi8(table, _mm256_and_si256(both, _mm256_set1_epi8(0x0F)));
+}
+#endif
+
+// IQ2_XS and IQ2_S: per 16 weights a 4-bit s in `packed` (two a byte): d * (0.5 + s) * 0.25.
+inline void iq2_scales16(const uint8_t* b, const uint8_t* packed, float* scale, float* minv) {
+  const float d = half_at(b);
+  for (int j = 0; j < 16; ++j) {
+    scale[j] = d * (0.5f + float((packed[j / 2] >> (4 * (j % 2))) & 0x0F)) * 0.25f;
+    minv[j] = 0.0f;
+  }
+}
+
+// The types whose 32 weights are four grid entries of 8 values and four sign
+// bytes (T::entries(block, sub-block, grid, signs)): IQ2_XXS, IQ2_XS, IQ2_S.
+template <class T, class Block>
+inline void decode_grid8(const uint8_t* b, Block& o) {
+  for (int ib = 0; ib < 8; ++ib) {
+    uint64_t grid[4];
+    uint8_t signs[4];
+    T::entries(b, ib, grid, signs);
+    grid8_codes(grid, signs, 4, o.q + 32 * ib);
+  }
+  T::scales(b, o.scale, o.minv);
+}
+#ifdef STRATA_CODES32
+template <class T>
+inline __m256i grid8_codes32(const uint8_t* b, int c) {
+  uint64_t grid[4];
+  uint8_t signs[4];
+  T::entries(b, c / 32, grid, signs);
+  return with_signs(grid8x4(grid[0], grid[1], grid[2], grid[3]), u32_at(signs));
+}
+#endif
+
+// IQ4_NL: a float16 d, then 16 bytes of nibbles (low nibbles: weights 0..15)
+// indexing the 16-value codebook. w = d * value.
+struct IQ4_NL {
+  static constexpr int B = 32, BYTES = 18, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    scale[0] = half_at(b);
+    minv[0] = 0.0f;
+  }
+  static void decode(const uint8_t* b, Block& o) {
+    for (int j = 0; j < 16; ++j) {
+      o.q[j] = kValuesIQ4NL[b[2 + j] & 0x0F];
+      o.q[j + 16] = kValuesIQ4NL[b[2 + j] >> 4];
+    }
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int) { return iq4_codes32(b + 2); }
+#endif
+};
+
+// IQ4_XS: d; 2 + 4 bytes of 6-bit scales (low nibbles in scales_l, high
+// pairs in scales_h); per 32 weights 16 bytes of IQ4_NL's nibbles.
+// w = d * (ls - 32) * value.
+struct IQ4_XS {
+  static constexpr int B = 256, BYTES = 136, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    const float d = half_at(b);
+    const uint16_t high = u16_at(b + 2);
+    for (int ib = 0; ib < 8; ++ib) {
+      const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((high >> (2 * ib)) & 3) << 4);
+      scale[ib] = d * float(ls - 32);
+      minv[ib] = 0.0f;
+    }
+  }
+  static void decode(const uint8_t* b, Block& o) {
+    for (int ib = 0; ib < 8; ++ib)
+      for (int j = 0; j < 16; ++j) {
+        o.q[32 * ib + j] = kValuesIQ4NL[b[8 + 16 * ib + j] & 0x0F];
+        o.q[32 * ib + 16 + j] = kValuesIQ4NL[b[8 + 16 * ib + j] >> 4];
+      }
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) { return iq4_codes32(b + 8 + 16 * (c / 32)); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ4_XS>(b); }
+#endif
+};
+
+// IQ2_XXS: d; per 32 weights two 32-bit words: four grid indices (bytes),
+// then four 7-bit sign indices (into kSignsIQ2) and a 4-bit scale on top.
+// w = d * (0.5 + s) * 0.25 * (+-grid value).
+struct IQ2_XXS {
+  static constexpr int B = 256, BYTES = 66, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    const float d = half_at(b);
+    for (int ib = 0; ib < 8; ++ib) {
+      scale[ib] = d * (0.5f + float(u32_at(b + 6 + 8 * ib) >> 28)) * 0.25f;
+      minv[ib] = 0.0f;
+    }
+  }
+  static void entries(const uint8_t* b, int ib, uint64_t* grid, uint8_t* signs) {
+    const uint32_t indices = u32_at(b + 2 + 8 * ib), aux = u32_at(b + 6 + 8 * ib);
+    for (int l = 0; l < 4; ++l) {
+      grid[l] = kIQ2XXSGrid[(indices >> (8 * l)) & 0xFF];
+      signs[l] = kSignsIQ2[(aux >> (7 * l)) & 0x7F];
+    }
+  }
+  static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XXS>(b, o); }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XXS>(b, c); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_XXS>(b); }
+#endif
+};
+
+// IQ2_XS: d; per 32 weights four 16-bit words (a 9-bit grid index, a 7-bit
+// sign index); then 8 bytes of two 4-bit scales (one per 16 weights).
+// w = d * (0.5 + s) * 0.25 * (+-grid value).
+struct IQ2_XS {
+  static constexpr int B = 256, BYTES = 74, SG = 16;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) { iq2_scales16(b, b + 66, scale, minv); }
+  static void entries(const uint8_t* b, int ib, uint64_t* grid, uint8_t* signs) {
+    for (int l = 0; l < 4; ++l) {
+      const uint16_t q = u16_at(b + 2 + 2 * (4 * ib + l));
+      grid[l] = kIQ2XSGrid[q & 511];
+      signs[l] = kSignsIQ2[q >> 9];
+    }
+  }
+  static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XS>(b, o); }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XS>(b, c); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_XS>(b); }
+#endif
+};
+
+// IQ2_S: d; 32 bytes of grid index low bits; 32 bytes of signs (byte k:
+// weights 8k..8k+7); 8 bytes of index high bits (2 per index); 8 bytes of
+// two 4-bit scales. w = d * (0.5 + s) * 0.25 * (+-grid value).
+struct IQ2_S {
+  static constexpr int B = 256, BYTES = 82, SG = 16;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) { iq2_scales16(b, b + 74, scale, minv); }
+  static void entries(const uint8_t* b, int ib, uint64_t* grid, uint8_t* signs) {
+    for (int l = 0; l < 4; ++l) grid[l] = kIQ2SGrid[b[2 + 4 * ib + l] | (((b[66 + ib] >> (2 * l)) & 3) << 8)];
+    std::memcpy(signs, b + 34 + 4 * ib, 4);
+  }
+  static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_S>(b, o); }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_S>(b, c); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_S>(b); }
+#endif
+};
+
+// IQ3_XXS: d; 64 bytes of grid indices (4 values each); per 32 weights a
+// 32-bit word of four 7-bit sign indices and a 4-bit scale on top.
+// w = d * (0.5 + s) * 0.5 * (+-grid value).
+struct IQ3_XXS {
+  static constexpr int B = 256, BYTES = 98, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    const float d = half_at(b);
+    for (int ib = 0; ib < 8; ++ib) {
+      scale[ib] = d * (0.5f + float(u32_at(b + 66 + 4 * ib) >> 28)) * 0.5f;
+      minv[ib] = 0.0f;
+    }
+  }
+  // The sign bits of weights 0..31 of sub-block ib (bit j: weight j negative).
+  static uint32_t signs(const uint8_t* b, int ib) {
+    const uint32_t aux = u32_at(b + 66 + 4 * ib);
+    uint32_t out = 0;
+    for (int l = 0; l < 4; ++l) out |= uint32_t(kSignsIQ2[(aux >> (7 * l)) & 0x7F]) << (8 * l);
+    return out;
+  }
+  static void decode(const uint8_t* b, Block& o) {
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint32_t sign = signs(b, ib);
+      for (int k = 0; k < 8; ++k)
+        for (int j = 0; j < 4; ++j) {
+          const int w = 4 * k + j;
+          const int8_t v = grid_value(kIQ3XXSGrid[b[2 + 8 * ib + k]], j);
+          o.q[32 * ib + w] = (sign >> w) & 1 ? int8_t(-v) : v;
+        }
+    }
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) {
+    const uint8_t* qs = b + 2 + 8 * (c / 32);
+    const __m256i values = _mm256_setr_epi32(int(kIQ3XXSGrid[qs[0]]), int(kIQ3XXSGrid[qs[1]]), int(kIQ3XXSGrid[qs[2]]),
+                                             int(kIQ3XXSGrid[qs[3]]), int(kIQ3XXSGrid[qs[4]]), int(kIQ3XXSGrid[qs[5]]),
+                                             int(kIQ3XXSGrid[qs[6]]), int(kIQ3XXSGrid[qs[7]]));
+    return with_signs(values, signs(b, c / 32));
+  }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ3_XXS>(b); }
+#endif
+};
+
+// IQ3_S: d; 64 bytes of grid index low bits; 8 bytes of index high bits (one
+// per index); 32 bytes of signs (bit j of the sub-block's word: weight j);
+// 4 bytes of two 4-bit scales. w = d * (1 + 2s) * (+-grid value).
+struct IQ3_S {
+  static constexpr int B = 256, BYTES = 110, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    const float d = half_at(b);
+    for (int ib = 0; ib < 8; ++ib) {
+      scale[ib] = d * float(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F));
+      minv[ib] = 0.0f;
+    }
+  }
+  static uint32_t entry(const uint8_t* b, int ib, int k) {
+    return kIQ3SGrid[b[2 + 8 * ib + k] | (((b[66 + ib] >> k) & 1) << 8)];
+  }
+  static void decode(const uint8_t* b, Block& o) {
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint32_t sign = u32_at(b + 74 + 4 * ib);
+      for (int k = 0; k < 8; ++k)
+        for (int j = 0; j < 4; ++j) {
+          const int w = 4 * k + j;
+          const int8_t v = grid_value(entry(b, ib, k), j);
+          o.q[32 * ib + w] = (sign >> w) & 1 ? int8_t(-v) : v;
+        }
+    }
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) {
+    const int ib = c / 32;
+    const __m256i values = _mm256_setr_epi32(int(entry(b, ib, 0)), int(entry(b, ib, 1)), int(entry(b, ib, 2)),
+                                             int(entry(b, ib, 3)), int(entry(b, ib, 4)), int(entry(b, ib, 5)),
+                                             int(entry(b, ib, 6)), int(entry(b, ib, 7)));
+    return with_signs(values, u32_at(b + 74 + 4 * ib));
+  }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ3_S>(b); }
+#endif
+};
+
+// IQ1_S: d; 32 bytes of grid index low bits; per 32 weights a 16-bit word:
+// 3 high bits per index, a 3-bit scale and the delta's sign on top.
+// w = d * (2s + 1) * (g + delta).
+struct IQ1_S {
+  static constexpr int B = 256, BYTES = 50, SG = 32;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    const float d = half_at(b);
+    for (int ib = 0; ib < 8; ++ib) {
+      scale[ib] = d * float(2 * ((u16_at(b + 34 + 2 * ib) >> 12) & 7) + 1) * 0.125f;
+      minv[ib] = 0.0f;
+    }
+  }
+  static uint64_t entry(const uint8_t* b, int ib, int l) {
+    return kIQ1SGrid[b[2 + 4 * ib + l] | (((u16_at(b + 34 + 2 * ib) >> (3 * l)) & 7) << 8)];
+  }
+  static void decode(const uint8_t* b, Block& o) {
+    for (int ib = 0; ib < 8; ++ib) {
+      const int delta = u16_at(b + 34 + 2 * ib) & 0x8000 ? -1 : 1;
+      for (int l = 0; l < 4; ++l)
+        for (int j = 0; j < 8; ++j) o.q[32 * ib + 8 * l + j] = int8_t(8 * grid_value(entry(b, ib, l), j) + delta);
+    }
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) {
+    const int ib = c / 32;
+    const __m256i g = grid8x4(entry(b, ib, 0), entry(b, ib, 1), entry(b, ib, 2), entry(b, ib, 3));
+    const __m256i delta = _mm256_set1_epi8(u16_at(b + 34 + 2 * ib) & 0x8000 ? -1 : 1);
+    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), delta);
+  }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ1_S>(b); }
+#endif
+};
+
+// IQ1_M: 32 bytes of grid index low bits; 16 bytes of nibbles (per index: 3
+// high bits, and the delta's sign of its 8 weights); four 16-bit words of
+// 3-bit scales (one per 16 weights) whose top nibbles together are the
+// float16 d. w = d * (2s + 1) * (g + delta).
+struct IQ1_M {
+  static constexpr int B = 256, BYTES = 56, SG = 16;
+  static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
+  static constexpr bool HAS_MIN = false;
+  using Block = Decoded<B, SG>;
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    uint16_t w[4];
+    std::memcpy(w, b + 48, 8);
+    const uint16_t bits = uint16_t((w[0] >> 12) | ((w[1] >> 8) & 0x00F0) | ((w[2] >> 4) & 0x0F00) | (w[3] & 0xF000));
+    uint8_t d_bytes[2];
+    std::memcpy(d_bytes, &bits, 2);
+    const float d = half_at(d_bytes);
+    for (int j = 0; j < 16; ++j) {  // sub-block j / 2, its half j % 2
+      const int s = (w[j / 4] >> (3 * (j % 4))) & 7;
+      scale[j] = d * float(2 * s + 1) * 0.125f;
+      minv[j] = 0.0f;
+    }
+  }
+  // Index i's nibble (i = 4 * sub-block + l): 3 high index bits, then the delta's sign.
+  static int nibble(const uint8_t* b, int i) { return (b[32 + i / 2] >> (4 * (i % 2))) & 0x0F; }
+  static uint64_t entry(const uint8_t* b, int i) { return kIQ1SGrid[b[i] | ((nibble(b, i) & 7) << 8)]; }
+  static void decode(const uint8_t* b, Block& o) {
+    for (int i = 0; i < 32; ++i) {
+      const int delta = nibble(b, i) & 8 ? -1 : 1;
+      for (int j = 0; j < 8; ++j) o.q[8 * i + j] = int8_t(8 * grid_value(entry(b, i), j) + delta);
+    }
+    scales(b, o.scale, o.minv);
+  }
+#ifdef STRATA_CODES32
+  static __m256i codes32(const uint8_t* b, int c) {
+    const int i = 4 * (c / 32);
+    const __m256i g = grid8x4(entry(b, i), entry(b, i + 1), entry(b, i + 2), entry(b, i + 3));
+    auto delta = [&](int k) { return nibble(b, i + k) & 8 ? int64_t(-1) : int64_t(0x0101010101010101); };
+    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g),
+                           _mm256_set_epi64x(delta(3), delta(2), delta(1), delta(0)));
+  }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ1_M>(b); }
+#endif
+};
+
+}  // namespace strata_cpu

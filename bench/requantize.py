@@ -20,9 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-# llama.cpp's file types (llama.h's enum llama_ftype) for the types it writes without an importance matrix.
-FTYPES = {"Q4_K_M": 15, "Q3_K_M": 12, "Q2_K": 10, "IQ4_NL": 25, "IQ4_XS": 30, "IQ3_S": 26, "IQ3_M": 27,
-          "IQ3_XXS": 23}
+# File types (llama.h's LLAMA_FTYPE_MOSTLY_*) llama.cpp writes without an importance matrix.
+FTYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XXS")
 
 
 def main() -> int:
@@ -50,7 +49,7 @@ def main() -> int:
             return 2
         target = out_dir / f"{source.stem}.{name}.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = FTYPES[name]
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
         params.nthread = args.threads
         params.allow_requantize = True
         t0 = time.perf_counter()

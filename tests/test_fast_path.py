@@ -90,16 +90,11 @@ def test_fast_path_decode_steps_stay_close_to_float32(pair):
     the one-query attention, the fused norms): the reference texts fed one
     token per step (the first 128 of each), each step's logits against the
     exact path's."""
-    from strata_runtime.models.generation import decode_step
+    from strata_runtime.models import decode_logits_of
 
     engine, fast, reference = pair
     texts = [case["tokens"][:128] for case in reference["teacher_forced"]]
-    steps = []
-    for tokens in texts:
-        cache = fast.new_cache(len(tokens))
-        with torch.inference_mode():
-            steps.append(torch.stack([decode_step(fast.model, cache, t).reshape(-1) for t in tokens]))
-    a = agreement(logits_of(engine, texts), steps)
+    a = agreement(logits_of(engine, texts), decode_logits_of(fast, texts))
     print(f"{fast.props()['model']}: decode steps of dtype={fast.props()['compute_path']['requested']} vs float32 over {a.positions} positions: "
           f"top-1 agreement {a.top1:.1%}, mean KL {a.kl:.4f}")
     assert a.kl <= 0.03

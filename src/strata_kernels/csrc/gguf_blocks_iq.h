@@ -38,9 +38,6 @@ inline __m256i with_signs(__m256i values, uint32_t signs) {
   const __m256i negate = bytes_of_bits(signs);
   return _mm256_sub_epi8(_mm256_xor_si256(values, negate), negate);
 }
-inline __m256i grid8x4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-  return _mm256_set_epi64x(int64_t(d), int64_t(c), int64_t(b), int64_t(a));
-}
 // IQ4's codebook applied to 32 nibbles (16 bytes: low nibbles first, then high).
 inline __m256i iq4_codes32(const uint8_t* qs) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -60,25 +57,36 @@ inline void iq2_scales16(const uint8_t* b, const uint8_t* packed, float* scale, 
 }
 
 // The types whose 32 weights are four grid entries of 8 values and four sign
-// bytes (T::entries(block, sub-block, grid, signs)): IQ2_XXS, IQ2_XS, IQ2_S.
+// bytes: IQ2_XXS, IQ2_XS, IQ2_S. T::index(block, sub-block, l) is entry l's
+// index in T::grid(), T::signs4(block, sub-block) the four sign bytes (byte l:
+// entry l's weights) in one word.
 template <class T, class Block>
 inline void decode_grid8(const uint8_t* b, Block& o) {
   for (int ib = 0; ib < 8; ++ib) {
     uint64_t grid[4];
     uint8_t signs[4];
-    T::entries(b, ib, grid, signs);
+    const uint32_t sign_word = T::signs4(b, ib);
+    std::memcpy(signs, &sign_word, 4);
+    for (int l = 0; l < 4; ++l) grid[l] = T::grid()[T::index(b, ib, l)];
     grid8_codes(grid, signs, 4, o.q + 32 * ib);
   }
   T::scales(b, o.scale, o.minv);
 }
 #ifdef STRATA_CODES32
+// The same in a register: T::indices4(block, sub-block) the four indices as
+// int32 lanes, gathered from the grid (a gather beats four scalar lookups and
+// inserts).
 template <class T>
 inline __m256i grid8_codes32(const uint8_t* b, int c) {
-  uint64_t grid[4];
-  uint8_t signs[4];
-  T::entries(b, c / 32, grid, signs);
-  return with_signs(grid8x4(grid[0], grid[1], grid[2], grid[3]), u32_at(signs));
+  const __m256i values = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(T::grid()),
+                                                T::indices4(b, c / 32), 8);
+  return with_signs(values, T::signs4(b, c / 32));
 }
+// Lanes of `word` shifted right by (s0, s1, s2, s3), masked: the high index bits packed in one word.
+inline __m128i fields4(uint32_t word, __m128i shifts, int mask) {
+  return _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(int(word)), shifts), _mm_set1_epi32(mask));
+}
+inline __m128i bytes4(const uint8_t* p) { return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(u32_at(p)))); }
 #endif
 
 // IQ4_NL: a float16 d, then 16 bytes of nibbles (low nibbles: weights 0..15)
@@ -150,15 +158,17 @@ struct IQ2_XXS {
       minv[ib] = 0.0f;
     }
   }
-  static void entries(const uint8_t* b, int ib, uint64_t* grid, uint8_t* signs) {
-    const uint32_t indices = u32_at(b + 2 + 8 * ib), aux = u32_at(b + 6 + 8 * ib);
-    for (int l = 0; l < 4; ++l) {
-      grid[l] = kIQ2XXSGrid[(indices >> (8 * l)) & 0xFF];
-      signs[l] = kSignsIQ2[(aux >> (7 * l)) & 0x7F];
-    }
+  static const uint64_t* grid() { return kIQ2XXSGrid; }
+  static int index(const uint8_t* b, int ib, int l) { return b[2 + 8 * ib + l]; }
+  static uint32_t signs4(const uint8_t* b, int ib) {
+    const uint32_t aux = u32_at(b + 6 + 8 * ib);
+    uint32_t out = 0;
+    for (int l = 0; l < 4; ++l) out |= uint32_t(kSignsIQ2[(aux >> (7 * l)) & 0x7F]) << (8 * l);
+    return out;
   }
   static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XXS>(b, o); }
 #ifdef STRATA_CODES32
+  static __m128i indices4(const uint8_t* b, int ib) { return bytes4(b + 2 + 8 * ib); }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XXS>(b, c); }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_XXS>(b); }
 #endif
@@ -173,15 +183,19 @@ struct IQ2_XS {
   static constexpr bool HAS_MIN = false;
   using Block = Decoded<B, SG>;
   static void scales(const uint8_t* b, float* scale, float* minv) { iq2_scales16(b, b + 66, scale, minv); }
-  static void entries(const uint8_t* b, int ib, uint64_t* grid, uint8_t* signs) {
-    for (int l = 0; l < 4; ++l) {
-      const uint16_t q = u16_at(b + 2 + 2 * (4 * ib + l));
-      grid[l] = kIQ2XSGrid[q & 511];
-      signs[l] = kSignsIQ2[q >> 9];
-    }
+  static const uint64_t* grid() { return kIQ2XSGrid; }
+  static int index(const uint8_t* b, int ib, int l) { return u16_at(b + 2 + 2 * (4 * ib + l)) & 511; }
+  static uint32_t signs4(const uint8_t* b, int ib) {
+    uint32_t out = 0;
+    for (int l = 0; l < 4; ++l) out |= uint32_t(kSignsIQ2[u16_at(b + 2 + 2 * (4 * ib + l)) >> 9]) << (8 * l);
+    return out;
   }
   static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XS>(b, o); }
 #ifdef STRATA_CODES32
+  static __m128i indices4(const uint8_t* b, int ib) {
+    const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib));
+    return _mm_and_si128(_mm_cvtepu16_epi32(words), _mm_set1_epi32(511));
+  }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XS>(b, c); }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_XS>(b); }
 #endif
@@ -196,12 +210,15 @@ struct IQ2_S {
   static constexpr bool HAS_MIN = false;
   using Block = Decoded<B, SG>;
   static void scales(const uint8_t* b, float* scale, float* minv) { iq2_scales16(b, b + 74, scale, minv); }
-  static void entries(const uint8_t* b, int ib, uint64_t* grid, uint8_t* signs) {
-    for (int l = 0; l < 4; ++l) grid[l] = kIQ2SGrid[b[2 + 4 * ib + l] | (((b[66 + ib] >> (2 * l)) & 3) << 8)];
-    std::memcpy(signs, b + 34 + 4 * ib, 4);
-  }
+  static const uint64_t* grid() { return kIQ2SGrid; }
+  static int index(const uint8_t* b, int ib, int l) { return b[2 + 4 * ib + l] | (((b[66 + ib] >> (2 * l)) & 3) << 8); }
+  static uint32_t signs4(const uint8_t* b, int ib) { return u32_at(b + 34 + 4 * ib); }
   static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_S>(b, o); }
 #ifdef STRATA_CODES32
+  static __m128i indices4(const uint8_t* b, int ib) {
+    const __m128i high = fields4(b[66 + ib], _mm_setr_epi32(0, 2, 4, 6), 3);
+    return _mm_or_si128(bytes4(b + 2 + 4 * ib), _mm_slli_epi32(high, 8));
+  }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_S>(b, c); }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_S>(b); }
 #endif
@@ -243,10 +260,9 @@ struct IQ3_XXS {
   }
 #ifdef STRATA_CODES32
   static __m256i codes32(const uint8_t* b, int c) {
-    const uint8_t* qs = b + 2 + 8 * (c / 32);
-    const __m256i values = _mm256_setr_epi32(int(kIQ3XXSGrid[qs[0]]), int(kIQ3XXSGrid[qs[1]]), int(kIQ3XXSGrid[qs[2]]),
-                                             int(kIQ3XXSGrid[qs[3]]), int(kIQ3XXSGrid[qs[4]]), int(kIQ3XXSGrid[qs[5]]),
-                                             int(kIQ3XXSGrid[qs[6]]), int(kIQ3XXSGrid[qs[7]]));
+    const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * (c / 32)));
+    const __m256i values =
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(kIQ3XXSGrid), _mm256_cvtepu8_epi32(qs), 4);
     return with_signs(values, signs(b, c / 32));
   }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ3_XXS>(b); }
@@ -286,9 +302,12 @@ struct IQ3_S {
 #ifdef STRATA_CODES32
   static __m256i codes32(const uint8_t* b, int c) {
     const int ib = c / 32;
-    const __m256i values = _mm256_setr_epi32(int(entry(b, ib, 0)), int(entry(b, ib, 1)), int(entry(b, ib, 2)),
-                                             int(entry(b, ib, 3)), int(entry(b, ib, 4)), int(entry(b, ib, 5)),
-                                             int(entry(b, ib, 6)), int(entry(b, ib, 7)));
+    const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i high =
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[66 + ib]), lanes), _mm256_set1_epi32(1));
+    const __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(qs), _mm256_slli_epi32(high, 8));
+    const __m256i values = _mm256_i32gather_epi32(reinterpret_cast<const int*>(kIQ3SGrid), index, 4);
     return with_signs(values, u32_at(b + 74 + 4 * ib));
   }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ3_S>(b); }
@@ -324,9 +343,11 @@ struct IQ1_S {
 #ifdef STRATA_CODES32
   static __m256i codes32(const uint8_t* b, int c) {
     const int ib = c / 32;
-    const __m256i g = grid8x4(entry(b, ib, 0), entry(b, ib, 1), entry(b, ib, 2), entry(b, ib, 3));
-    const __m256i delta = _mm256_set1_epi8(u16_at(b + 34 + 2 * ib) & 0x8000 ? -1 : 1);
-    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), delta);
+    const uint16_t qh = u16_at(b + 34 + 2 * ib);
+    const __m128i high = fields4(qh, _mm_setr_epi32(0, 3, 6, 9), 7);
+    const __m128i index = _mm_or_si128(bytes4(b + 2 + 4 * ib), _mm_slli_epi32(high, 8));
+    const __m256i g = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(kIQ1SGrid), index, 8);
+    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
   }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ1_S>(b); }
 #endif
@@ -367,10 +388,13 @@ struct IQ1_M {
 #ifdef STRATA_CODES32
   static __m256i codes32(const uint8_t* b, int c) {
     const int i = 4 * (c / 32);
-    const __m256i g = grid8x4(entry(b, i), entry(b, i + 1), entry(b, i + 2), entry(b, i + 3));
-    auto delta = [&](int k) { return nibble(b, i + k) & 8 ? int64_t(-1) : int64_t(0x0101010101010101); };
-    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g),
-                           _mm256_set_epi64x(delta(3), delta(2), delta(1), delta(0)));
+    const __m128i nibbles = fields4(u16_at(b + 32 + i / 2), _mm_setr_epi32(0, 4, 8, 12), 0x0F);
+    const __m128i index = _mm_or_si128(bytes4(b + i), _mm_slli_epi32(_mm_and_si128(nibbles, _mm_set1_epi32(7)), 8));
+    const __m256i g = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(kIQ1SGrid), index, 8);
+    // Each index's 8 weights: delta -1 (all bytes 0xFF) where its nibble's bit 3 is set, else +1.
+    const __m128i negative = _mm_cmpeq_epi32(_mm_and_si128(nibbles, _mm_set1_epi32(8)), _mm_set1_epi32(8));
+    const __m256i delta = _mm256_or_si256(_mm256_cvtepi32_epi64(negative), _mm256_set1_epi8(1));
+    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), delta);
   }
   static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ1_M>(b); }
 #endif

@@ -4,7 +4,7 @@ a GGUF file, and running one sequence over its cache (``generation``)."""
 
 from .decoder import finish
 from .fused_decode import FusedDecode
-from .generation import decode_step, forward_chunks, prefill
+from .generation import decode_logits_of, decode_step, forward_chunks, prefill
 from .layers import weight_paths
 from .loader import build_model, check_vocabulary, open_model
 
@@ -12,6 +12,7 @@ __all__ = [
     "FusedDecode",
     "build_model",
     "check_vocabulary",
+    "decode_logits_of",
     "decode_step",
     "finish",
     "forward_chunks",

@@ -38,3 +38,15 @@ def prefill(model, cache: KVCache, tokens: Sequence[int], abort: Callable[[], bo
 
 def decode_step(model, cache: KVCache, token: int) -> torch.Tensor:
     return prefill(model, cache, [token])
+
+
+def decode_logits_of(engine, token_lists) -> list[torch.Tensor]:
+    """Each list of ``token_lists`` fed to ``engine`` one token a step from an
+    empty cache (the decode path's kernels, not a prompt's): ``[len, vocab]`` logits per list."""
+    out = []
+    for tokens in token_lists:
+        cache = engine.new_cache(len(tokens))
+        with torch.inference_mode():
+            out.append(torch.stack([decode_step(engine.model, cache, t).reshape(-1) for t in tokens]))
+    return out
+

@@ -171,3 +171,21 @@ def test_fast_path_falls_back_to_dense_bfloat16_for_a_type_the_kernels_do_not_re
     iq = QuantTensor(torch.zeros(2, 136, dtype=torch.uint8), T.IQ4_XS, (2, 256))
     both = torch.nn.ModuleList([layer, Linear(iq, Backend.choose("cpu", torch.bfloat16))])
     assert weight_paths(both) == {"IQ4_XS": "GGUF blocks", "MXFP4": "dense copy (0.0 MiB)"}
+
+
+def test_loading_a_type_the_kernels_cannot_read_warns_with_its_cost(tmp_path, caplog):
+    """A tiny file in MXFP4 (which the CPU kernels do not read): the default
+    path dequantizes it at load, says so in a warning naming the type and the
+    memory, and ``props()`` reports it as a dense copy."""
+    import logging
+
+    from gguf import GGMLQuantizationType as T
+    from tiny_models import Shape, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "mxfp4.gguf", "llama", Shape(), seed=1, qtype=T.MXFP4)
+    with caplog.at_level(logging.WARNING, logger="strata_runtime.models.loader"):
+        engine = strata_runtime.load(path, progress=False, context_length=64, conversation_cache_mib=0)
+    (record,) = [r for r in caplog.records if "cannot read" in r.getMessage()]
+    assert "MXFP4" in record.getMessage() and "MiB" in record.getMessage()
+    assert engine.props()["compute_path"]["weights"]["MXFP4"].startswith("dense copy (")
+    assert engine.generate("The quick", max_tokens=4, temperature=0).completion_tokens == 4

@@ -32,6 +32,14 @@ inline void grid8_codes(const uint64_t* entries, const uint8_t* sign_bytes, int 
     }
 }
 
+// Four 7-bit sign indices (bits 0-27 of `aux`, as IQ2_XXS and IQ3_XXS store
+// them) expanded through kSignsIQ2: byte l of the result signs 8 weights.
+inline uint32_t packed_signs(uint32_t aux) {
+  uint32_t out = 0;
+  for (int l = 0; l < 4; ++l) out |= uint32_t(kSignsIQ2[(aux >> (7 * l)) & 0x7F]) << (8 * l);
+  return out;
+}
+
 #ifdef STRATA_CODES32
 // Byte j of `values` negated where bit j of `signs` is set.
 inline __m256i with_signs(__m256i values, uint32_t signs) {
@@ -160,12 +168,7 @@ struct IQ2_XXS {
   }
   static const uint64_t* grid() { return kIQ2XXSGrid; }
   static int index(const uint8_t* b, int ib, int l) { return b[2 + 8 * ib + l]; }
-  static uint32_t signs4(const uint8_t* b, int ib) {
-    const uint32_t aux = u32_at(b + 6 + 8 * ib);
-    uint32_t out = 0;
-    for (int l = 0; l < 4; ++l) out |= uint32_t(kSignsIQ2[(aux >> (7 * l)) & 0x7F]) << (8 * l);
-    return out;
-  }
+  static uint32_t signs4(const uint8_t* b, int ib) { return packed_signs(u32_at(b + 6 + 8 * ib)); }
   static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XXS>(b, o); }
 #ifdef STRATA_CODES32
   static __m128i indices4(const uint8_t* b, int ib) { return bytes4(b + 2 + 8 * ib); }
@@ -240,12 +243,7 @@ struct IQ3_XXS {
     }
   }
   // The sign bits of weights 0..31 of sub-block ib (bit j: weight j negative).
-  static uint32_t signs(const uint8_t* b, int ib) {
-    const uint32_t aux = u32_at(b + 66 + 4 * ib);
-    uint32_t out = 0;
-    for (int l = 0; l < 4; ++l) out |= uint32_t(kSignsIQ2[(aux >> (7 * l)) & 0x7F]) << (8 * l);
-    return out;
-  }
+  static uint32_t signs(const uint8_t* b, int ib) { return packed_signs(u32_at(b + 66 + 4 * ib)); }
   static void decode(const uint8_t* b, Block& o) {
     for (int ib = 0; ib < 8; ++ib) {
       const uint32_t sign = signs(b, ib);

@@ -135,11 +135,9 @@ class Sampler:
         # The grammar's mask, the penalties and the bias commute (a forbidden logit stays -inf through
         # each), so a sampled step with top-k masks only its candidates when enough of them are allowed.
         logits = apply_penalties(apply_logit_bias(logits, p), history, p)
-        head = None
-        if constraint is not None:
-            head = None if p.greedy else allowed_top_k(logits, constraint, p.top_k)
-            if head is None:
-                logits = constraint.restrict(logits)  # every filter below sees only what the grammar allows
+        head = None if constraint is None or p.greedy else allowed_top_k(logits, constraint, p.top_k)
+        if constraint is not None and head is None:
+            logits = constraint.restrict(logits)  # every filter below sees only what the grammar allows
         if p.greedy:
             return int(torch.argmax(logits))
         log_total = None  # log of the softmax denominator when candidates are not the whole support

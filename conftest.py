@@ -58,7 +58,7 @@ def engine(model_file):
 
 @pytest.fixture(scope="session")
 def model_gguf(engine):
-    """The default model's open GGUFFile (parsing its header takes seconds: share it)."""
+    """The default model's open GGUFFile, shared by the session."""
     return engine.gguf
 
 

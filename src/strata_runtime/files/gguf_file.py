@@ -18,26 +18,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from strata_kernels import SUPPORTED_TYPES, QuantTensor, block_format
 
 from ..errors import ModelFileError
+from .gguf_reader import CompactGGUFReader
 
 GGUF_MAGIC = b"GGUF"
-
-
-class _PlainArrayReader(GGUFReader):
-    """``GGUFReader`` parsing from a plain ndarray view of its memory map.
-
-    ``np.memmap`` runs bookkeeping on every slice, and the reader slices once
-    per vocabulary entry: on a 262K-token vocabulary a plain view of the same
-    mapping parses the header about 2.5x faster. The mapping stays alive as the
-    view's base, so tensor data is still read lazily from the file.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, mapped: np.ndarray) -> None:
-        self._plain_data = mapped.view(np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -119,7 +102,7 @@ class GGUFFile:
     def open(cls, path: str | Path) -> "GGUFFile":
         path = check_gguf_path(path)
         try:
-            reader = _PlainArrayReader(path, "c")
+            reader = CompactGGUFReader(path, "c")
         except (ValueError, IndexError, KeyError, OverflowError) as e:
             raise ModelFileError(
                 f"{path} is truncated or corrupt ({e}); download or assemble the file again"
@@ -218,7 +201,8 @@ def _logical_shape(t) -> tuple[int, ...]:
 
 
 def _is_big_array(f) -> bool:
-    return f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > 64
+    # parts[4] is an array's element count, in gguf-py's fields and in PackedArrayField
+    return bool(f.types) and f.types[0] == GGUFValueType.ARRAY and int(f.parts[4][0]) > 64
 
 
 def _scalar_value(f) -> Any:

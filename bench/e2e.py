@@ -132,11 +132,16 @@ def main() -> None:
     loads.append(f"CPU kernels {cpu_kernels.describe()}: ready in {time.perf_counter() - t0:.1f} s "
                  "(a compile on first use per machine, then torch's cache)")
     for dtype in args.dtypes.split(","):
+        before = peak_rss_mib()
         t0 = time.perf_counter()
-        engines[f"strata {dtype}"] = strata_runtime.load(
+        engine = engines[f"strata {dtype}"] = strata_runtime.load(
             args.model, dtype=dtype, context_length=args.prompt_tokens + args.decode_tokens + 8,
             conversation_cache_mib=0, progress=False)
-        loads.append(f"{dtype}: load {time.perf_counter() - t0:.1f} s, peak RSS after it {peak_rss_mib():.0f} MiB")
+        file_mib = os.path.getsize(engine.props()["path"]) / 2**20
+        kv_mib = engine.props()["kv_bytes"] / 2**20
+        loads.append(f"{dtype}: load {time.perf_counter() - t0:.1f} s, peak RSS after it {peak_rss_mib():.0f} MiB "
+                     f"(before it {before:.0f} MiB: the interpreter, torch and the kernels; the load added "
+                     f"{peak_rss_mib() - before:.0f} MiB against file {file_mib:.0f} + KV pool {kv_mib:.0f} MiB)")
     engine = next(iter(engines.values()))
     prompts = [long_prompt_ids(engine, args.prompt_tokens, start) for start in range(args.repeats * (len(engines) + 1))]
 

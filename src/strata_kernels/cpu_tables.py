@@ -6,7 +6,9 @@ Each grid entry packs its values as bytes, value j in byte j (little
 endian), so a kernel loads four or eight weights' codes with one integer
 read: ``kIQ2XXSGrid`` and the other 8-wide grids as ``uint64_t``, the
 4-wide IQ3 grids as ``uint32_t``, IQ1's values (-1, 0, 1) as signed bytes.
-``kSignsIQ2`` is gguf's ``ksigns`` (bit j set: weight j is negative) and
+``kSignsIQ2`` is gguf's ``ksigns`` (bit j set: weight j is negative),
+``kSignMasksIQ2`` the same as byte masks (byte j 0xFF where weight j is
+negative: a gather of four gives 32 weights' negation in a register) and
 ``kValuesIQ4NL`` the 4-bit codebook of IQ4_NL and IQ4_XS."""
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def header_text() -> str:
         parts.append(_array(cname, ctype, _packed(grid), 16 if ctype == "uint64_t" else 8))
     signs = list(np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8))
     parts.append(_array("kSignsIQ2", "uint8_t", [int(s) for s in signs], 2))
+    masks = [sum(0xFF << (8 * j) for j in range(8) if (int(s) >> j) & 1) for s in signs]
+    parts.append(_array("kSignMasksIQ2", "uint64_t", masks, 16))
     values = ", ".join(str(int(v)) for v in gguf_quants.IQ4_NL.kvalues)
     parts.append(f"inline constexpr int8_t kValuesIQ4NL[16] = {{{values}}};\n")
     parts.append("\n}  // namespace strata_cpu\n")

@@ -51,7 +51,7 @@ void dequantize_typed(const uint8_t* w, int64_t row_bytes, int64_t K, Out* out, 
     alignas(64) float values[T::B];
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t b = 0; b < K / T::B; ++b) {
-        T::decode(w + n * row_bytes + b * T::BYTES, d);
+        decode_block<T>(w + n * row_bytes + b * T::BYTES, d);
         for (int g = 0; g < T::B / T::SG; ++g) {
           const float scale = d.scale[g], minv = d.minv[g];
           for (int i = 0; i < T::SG; ++i) values[g * T::SG + i] = scale * float(d.q[g * T::SG + i]) - minv;

@@ -128,6 +128,13 @@ inline ScaleVectors scale_vectors_of(const uint8_t* b) {
   T::scales(b, scale, minv);
   return {_mm256_load_ps(scale), _mm256_load_ps(scale + 8), _mm256_load_ps(minv), _mm256_load_ps(minv + 8)};
 }
+// Bytes 0-7 of `bytes` as eight floats (unsigned).
+inline __m256 byte_floats8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+// The low and high nibbles of bytes 0-7 of `packed` interleaved: nibble j (low first), one a byte.
+inline __m128i nibbles16(__m128i packed) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+}
 #endif
 
 // The four 32-weight types, one layout: a float16 scale d; with a minimum

@@ -41,10 +41,17 @@ inline uint32_t packed_signs(uint32_t aux) {
 }
 
 #ifdef STRATA_CODES32
-// Byte j of `values` negated where bit j of `signs` is set.
-inline __m256i with_signs(__m256i values, uint32_t signs) {
-  const __m256i negate = bytes_of_bits(signs);
+// Byte j of `values` negated where byte j of `negate` is all ones.
+inline __m256i negated_where(__m256i values, __m256i negate) {
   return _mm256_sub_epi8(_mm256_xor_si256(values, negate), negate);
+}
+// Byte j of `values` negated where bit j of `signs` is set.
+inline __m256i with_signs(__m256i values, uint32_t signs) { return negated_where(values, bytes_of_bits(signs)); }
+// The negation masks of 32 weights from four 7-bit sign indices (int32
+// lanes; lane l signs weights 8l..8l+7): one gather in place of four table
+// lookups and the shifts that pack them.
+inline __m256i sign_masks4(__m128i sign_indices) {
+  return _mm256_i32gather_epi64(reinterpret_cast<const long long*>(kSignMasksIQ2), sign_indices, 8);
 }
 // IQ4's codebook applied to 32 nibbles (16 bytes: low nibbles first, then high).
 inline __m256i iq4_codes32(const uint8_t* qs) {
@@ -63,6 +70,23 @@ inline void iq2_scales16(const uint8_t* b, const uint8_t* packed, float* scale, 
     minv[j] = 0.0f;
   }
 }
+#ifdef STRATA_CODES32
+// d * (0.5 + s) * mul for eight s as floats, rounded as the scalar form is.
+inline __m256 half_step_scales(float d, __m256 s, float mul) {
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_add_ps(_mm256_set1_ps(0.5f), s)), _mm256_set1_ps(mul));
+}
+// d * (2s + 1) * 0.125 for eight s (int32 lanes): IQ1's scales with the code's factor 8 taken out.
+inline __m256 iq1_scales8(float d, __m256i s) {
+  const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(odd)), _mm256_set1_ps(0.125f));
+}
+inline ScaleVectors iq2_scale_vectors16(const uint8_t* b, const uint8_t* packed) {
+  const __m128i s = nibbles16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed)));
+  const float d = half_at(b);
+  return {half_step_scales(d, byte_floats8(s), 0.25f), half_step_scales(d, byte_floats8(_mm_srli_si128(s, 8)), 0.25f),
+          _mm256_setzero_ps(), _mm256_setzero_ps()};
+}
+#endif
 
 // The types whose 32 weights are four grid entries of 8 values and four sign
 // bytes: IQ2_XXS, IQ2_XS, IQ2_S. T::index(block, sub-block, l) is entry l's
@@ -83,17 +107,19 @@ inline void decode_grid8(const uint8_t* b, Block& o) {
 #ifdef STRATA_CODES32
 // The same in a register: T::indices4(block, sub-block) the four indices as
 // int32 lanes, gathered from the grid (a gather beats four scalar lookups and
-// inserts).
+// inserts), negated where T::negate4(block, sub-block) says.
 template <class T>
 inline __m256i grid8_codes32(const uint8_t* b, int c) {
   const __m256i values = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(T::grid()),
                                                 T::indices4(b, c / 32), 8);
-  return with_signs(values, T::signs4(b, c / 32));
+  return negated_where(values, T::negate4(b, c / 32));
 }
 // Lanes of `word` shifted right by (s0, s1, s2, s3), masked: the high index bits packed in one word.
 inline __m128i fields4(uint32_t word, __m128i shifts, int mask) {
   return _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(int(word)), shifts), _mm_set1_epi32(mask));
 }
+// The four 7-bit sign indices of `aux` (bits 0-27, as IQ2_XXS and IQ3_XXS store them) as lanes.
+inline __m128i sign_fields4(uint32_t aux) { return fields4(aux, _mm_setr_epi32(0, 7, 14, 21), 0x7F); }
 inline __m128i bytes4(const uint8_t* p) { return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(u32_at(p)))); }
 #endif
 
@@ -172,8 +198,17 @@ struct IQ2_XXS {
   static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XXS>(b, o); }
 #ifdef STRATA_CODES32
   static __m128i indices4(const uint8_t* b, int ib) { return bytes4(b + 2 + 8 * ib); }
+  static __m256i negate4(const uint8_t* b, int ib) { return sign_masks4(sign_fields4(u32_at(b + 6 + 8 * ib))); }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XXS>(b, c); }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_XXS>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) {  // the top nibbles of the odd words of b[2..66)
+    const __m256 lo = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 34)));
+    // Odd words of each 128-bit half, then the halves' pairs put in order.
+    const __m256 odd_words = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+    const __m256i odd = _mm256_permute4x64_epi64(_mm256_castps_si256(odd_words), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256 s = half_step_scales(half_at(b), _mm256_cvtepi32_ps(_mm256_srli_epi32(odd, 28)), 0.25f);
+    return {s, s, _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 
@@ -199,8 +234,12 @@ struct IQ2_XS {
     const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib));
     return _mm_and_si128(_mm_cvtepu16_epi32(words), _mm_set1_epi32(511));
   }
+  static __m256i negate4(const uint8_t* b, int ib) {  // each word's top 7 bits
+    const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib));
+    return sign_masks4(_mm_srli_epi32(_mm_cvtepu16_epi32(words), 9));
+  }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XS>(b, c); }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_XS>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return iq2_scale_vectors16(b, b + 66); }
 #endif
 };
 
@@ -222,8 +261,9 @@ struct IQ2_S {
     const __m128i high = fields4(b[66 + ib], _mm_setr_epi32(0, 2, 4, 6), 3);
     return _mm_or_si128(bytes4(b + 2 + 4 * ib), _mm_slli_epi32(high, 8));
   }
+  static __m256i negate4(const uint8_t* b, int ib) { return bytes_of_bits(signs4(b, ib)); }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_S>(b, c); }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ2_S>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) { return iq2_scale_vectors16(b, b + 74); }
 #endif
 };
 
@@ -261,9 +301,13 @@ struct IQ3_XXS {
     const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * (c / 32)));
     const __m256i values =
         _mm256_i32gather_epi32(reinterpret_cast<const int*>(kIQ3XXSGrid), _mm256_cvtepu8_epi32(qs), 4);
-    return with_signs(values, signs(b, c / 32));
+    return negated_where(values, sign_masks4(sign_fields4(u32_at(b + 66 + 4 * (c / 32)))));
   }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ3_XXS>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) {  // the top nibbles of the eight sign words
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 66));
+    const __m256 s = half_step_scales(half_at(b), _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 28)), 0.5f);
+    return {s, s, _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 
@@ -308,7 +352,13 @@ struct IQ3_S {
     const __m256i values = _mm256_i32gather_epi32(reinterpret_cast<const int*>(kIQ3SGrid), index, 4);
     return with_signs(values, u32_at(b + 74 + 4 * ib));
   }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ3_S>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) {  // d * (1 + 2s), 1 + 2s exact as an integer
+    // The block's last 4 bytes (a wider load would read past the block).
+    const __m256i s = _mm256_cvtepu8_epi32(nibbles16(_mm_cvtsi32_si128(int(u32_at(b + 106)))));
+    const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1));
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(odd));
+    return {scale, scale, _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 
@@ -347,7 +397,11 @@ struct IQ1_S {
     const __m256i g = _mm256_i32gather_epi64(reinterpret_cast<const long long*>(kIQ1SGrid), index, 8);
     return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
   }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ1_S>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) {  // bits 12-14 of the eight words at b + 34
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 34)));
+    const __m256 s = iq1_scales8(half_at(b), _mm256_and_si256(_mm256_srli_epi32(words, 12), _mm256_set1_epi32(7)));
+    return {s, s, _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 
@@ -360,13 +414,17 @@ struct IQ1_M {
   static constexpr int CODE_BITS = 8, CODE_OFFSET = 0;
   static constexpr bool HAS_MIN = false;
   using Block = Decoded<B, SG>;
-  static void scales(const uint8_t* b, float* scale, float* minv) {
-    uint16_t w[4];
-    std::memcpy(w, b + 48, 8);
+  // d, from the top nibbles of the four scale words w.
+  static float d_of(const uint16_t* w) {
     const uint16_t bits = uint16_t((w[0] >> 12) | ((w[1] >> 8) & 0x00F0) | ((w[2] >> 4) & 0x0F00) | (w[3] & 0xF000));
     uint8_t d_bytes[2];
     std::memcpy(d_bytes, &bits, 2);
-    const float d = half_at(d_bytes);
+    return half_at(d_bytes);
+  }
+  static void scales(const uint8_t* b, float* scale, float* minv) {
+    uint16_t w[4];
+    std::memcpy(w, b + 48, 8);
+    const float d = d_of(w);
     for (int j = 0; j < 16; ++j) {  // sub-block j / 2, its half j % 2
       const int s = (w[j / 4] >> (3 * (j % 4))) & 7;
       scale[j] = d * float(2 * s + 1) * 0.125f;
@@ -394,7 +452,18 @@ struct IQ1_M {
     const __m256i delta = _mm256_or_si256(_mm256_cvtepi32_epi64(negative), _mm256_set1_epi8(1));
     return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), delta);
   }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<IQ1_M>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) {  // scale j: bits 3(j % 4).. of word j / 4
+    uint16_t w[4];
+    std::memcpy(w, b + 48, 8);
+    const float d = d_of(w);
+    const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9), three = _mm256_set1_epi32(7);
+    auto eight = [&](int first) {  // scales 8 * first .. 8 * first + 7: words 2 * first and 2 * first + 1
+      const __m256i words = _mm256_setr_epi32(w[2 * first], w[2 * first], w[2 * first], w[2 * first],
+                                              w[2 * first + 1], w[2 * first + 1], w[2 * first + 1], w[2 * first + 1]);
+      return iq1_scales8(d, _mm256_and_si256(_mm256_srlv_epi32(words, shifts), three));
+    };
+    return {eight(0), eight(1), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 

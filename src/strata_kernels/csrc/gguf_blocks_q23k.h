@@ -79,7 +79,22 @@ struct Q3_K {
     const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, i), _mm256_set1_epi8(1));
     return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
   }
-  static ScaleVectors scale_vectors(const uint8_t* b) { return scale_vectors_of<Q3_K>(b); }
+  static ScaleVectors scale_vectors(const uint8_t* b) {
+    // Low four bits: nibbles of s[0..7] (low nibbles for scales 0-7, high for 8-15);
+    // high two: s[8 + j % 4] >> 2 * (j / 4), a 32-bit lane per j / 4.
+    const uint8_t* s = b + 96;
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(int(u32_at(s + 8))), _mm_setr_epi32(0, 2, 4, 6)),
+                                       _mm_set1_epi8(3));
+    const __m128i six = _mm_or_si128(low, _mm_slli_epi16(high, 4));
+    const __m256 d = _mm256_set1_ps(half_at(b + 108));
+    auto centred = [&](__m128i bytes) {  // d * (sc - 32)
+      return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_set1_epi32(32))));
+    };
+    return {centred(six), centred(_mm_srli_si128(six, 8)), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
 #endif
 };
 

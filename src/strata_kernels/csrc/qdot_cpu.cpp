@@ -56,14 +56,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* codes, float* 
   }
 }
 
-#ifdef STRATA_CODES32
-// The signed codes q of weights c..c+31 of a block, decoded in a register.
-template <class T>
-inline __m256i signed_codes32(const uint8_t* block, int c) {
-  const __m256i stored = T::codes32(block, c);
-  return T::CODE_OFFSET == 0 ? stored : _mm256_sub_epi8(stored, _mm256_set1_epi8(char(T::CODE_OFFSET)));
-}
-#endif
 
 // ---- groups of steps (see the header) ----
 #if defined(STRATA_CODES32)

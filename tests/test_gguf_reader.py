@@ -97,3 +97,18 @@ def test_an_array_longer_than_the_file_is_a_clear_error(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ModelFileError, match=r"m\.gguf is truncated or corrupt .*cannot fit"):
         GGUFFile.open(path)
+
+
+def test_a_scalar_may_end_the_file(tmp_path):
+    """No tensors and no padding: the last field's few bytes are the file's last."""
+    w = GGUFWriter(str(tmp_path / "full.gguf"), "llama")
+    w.add_bool("test.last", True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = (tmp_path / "full.gguf").read_bytes()
+    end = data.index(b"test.last") + len(b"test.last") + 4 + 1  # the key, its value type, one byte of value
+    path = tmp_path / "m.gguf"
+    path.write_bytes(data[:end])
+    _same_fields(path)

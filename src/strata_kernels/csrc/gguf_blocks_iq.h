@@ -75,11 +75,13 @@ inline void iq2_scales16(const uint8_t* b, const uint8_t* packed, float* scale, 
 inline __m256 half_step_scales(float d, __m256 s, float mul) {
   return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_add_ps(_mm256_set1_ps(0.5f), s)), _mm256_set1_ps(mul));
 }
-// d * (2s + 1) * 0.125 for eight s (int32 lanes): IQ1's scales with the code's factor 8 taken out.
-inline __m256 iq1_scales8(float d, __m256i s) {
+// d * (2s + 1) for eight s (int32 lanes; 2s + 1 exact as an integer): IQ3_S's scales.
+inline __m256 odd_scales8(float d, __m256i s) {
   const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1));
-  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(odd)), _mm256_set1_ps(0.125f));
+  return _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(odd));
 }
+// d * (2s + 1) * 0.125: IQ1's scales with the code's factor 8 taken out.
+inline __m256 iq1_scales8(float d, __m256i s) { return _mm256_mul_ps(odd_scales8(d, s), _mm256_set1_ps(0.125f)); }
 inline ScaleVectors iq2_scale_vectors16(const uint8_t* b, const uint8_t* packed) {
   const __m128i s = nibbles16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed)));
   const float d = half_at(b);
@@ -230,14 +232,12 @@ struct IQ2_XS {
   }
   static void decode(const uint8_t* b, Block& o) { decode_grid8<IQ2_XS>(b, o); }
 #ifdef STRATA_CODES32
-  static __m128i indices4(const uint8_t* b, int ib) {
-    const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib));
-    return _mm_and_si128(_mm_cvtepu16_epi32(words), _mm_set1_epi32(511));
+  // Sub-block ib's four 16-bit words as int32 lanes: a 9-bit grid index, a 7-bit sign index on top.
+  static __m128i words4(const uint8_t* b, int ib) {
+    return _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib)));
   }
-  static __m256i negate4(const uint8_t* b, int ib) {  // each word's top 7 bits
-    const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib));
-    return sign_masks4(_mm_srli_epi32(_mm_cvtepu16_epi32(words), 9));
-  }
+  static __m128i indices4(const uint8_t* b, int ib) { return _mm_and_si128(words4(b, ib), _mm_set1_epi32(511)); }
+  static __m256i negate4(const uint8_t* b, int ib) { return sign_masks4(_mm_srli_epi32(words4(b, ib), 9)); }
   static __m256i codes32(const uint8_t* b, int c) { return grid8_codes32<IQ2_XS>(b, c); }
   static ScaleVectors scale_vectors(const uint8_t* b) { return iq2_scale_vectors16(b, b + 66); }
 #endif
@@ -352,11 +352,10 @@ struct IQ3_S {
     const __m256i values = _mm256_i32gather_epi32(reinterpret_cast<const int*>(kIQ3SGrid), index, 4);
     return with_signs(values, u32_at(b + 74 + 4 * ib));
   }
-  static ScaleVectors scale_vectors(const uint8_t* b) {  // d * (1 + 2s), 1 + 2s exact as an integer
+  static ScaleVectors scale_vectors(const uint8_t* b) {
     // The block's last 4 bytes (a wider load would read past the block).
-    const __m256i s = _mm256_cvtepu8_epi32(nibbles16(_mm_cvtsi32_si128(int(u32_at(b + 106)))));
-    const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1));
-    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(odd));
+    const __m128i packed = _mm_cvtsi32_si128(int(u32_at(b + 106)));
+    const __m256 scale = odd_scales8(half_at(b), _mm256_cvtepu8_epi32(nibbles16(packed)));
     return {scale, scale, _mm256_setzero_ps(), _mm256_setzero_ps()};
   }
 #endif

@@ -66,15 +66,17 @@ class CompactGGUFReader(GGUFReader):
             key_length, key = self._get_str(offs)
             type_offs = offs + int(key_length.nbytes + key.nbytes)
             raw_type = self._get(type_offs, np.uint32)
-            element = self._get(type_offs + 4, np.uint32)
-            if raw_type[0] != GGUFValueType.ARRAY or element[0] == GGUFValueType.ARRAY:
+            array_offs = type_offs + int(raw_type.nbytes)
+            # An array's element type follows its type; a scalar may end the file, so read it for arrays only.
+            element = self._get(array_offs, np.uint32)[0] if raw_type[0] == GGUFValueType.ARRAY else None
+            if element is None or element == GGUFValueType.ARRAY:
                 offs = super()._build_fields(offs, 1)  # scalars and nested arrays: gguf-py's own parse
                 continue
-            array_offs = type_offs + int(raw_type.nbytes)
-            parts, size = self._packed_array(array_offs, GGUFValueType(element[0]))
+            element = GGUFValueType(element)
+            parts, size = self._packed_array(array_offs, element)
             self._push_field(PackedArrayField(offs, key.tobytes().decode("utf-8"), [key_length, key, raw_type, *parts],
-                                              list(range(5, 3 + len(parts))),
-                                              [GGUFValueType.ARRAY, GGUFValueType(element[0])]), skip_sum=True)
+                                              list(range(5, 3 + len(parts))), [GGUFValueType.ARRAY, element]),
+                             skip_sum=True)
             offs = array_offs + size
         return offs
 

@@ -89,6 +89,33 @@ def test_batched_decode_logits_equal_alone(exact):
         assert torch.allclose(batched[i], alone, atol=LOGIT_ATOL, rtol=0), float((batched[i] - alone).abs().max())
 
 
+def test_a_step_after_one_with_the_same_first_position_and_count_gets_its_own_rotations(exact):
+    """A batch's positions are each sequence's next ones, one after another:
+    two steps may begin at the same position with the same count and differ
+    after it (here ``[n, m]`` then ``[n, m + 1]``, another sequence first).
+    The rotary tables are shared by a step's layers, never by the next step
+    with other positions (they were, keyed on the first position and the
+    count: the second step's rows were rotated as the first step's)."""
+    a, b = exact.tokenize(TEXTS[0]), exact.tokenize(TEXTS[1])
+    c = exact.tokenize(TEXTS[2] + TEXTS[3])[:len(a)]  # another prompt of a's length
+    alone = {name: _alone(exact, ids, 3) for name, ids in (("b", b), ("c", c))}
+    pool = exact.scheduler.pool
+    caches = {name: KVCache.on_pool(pool, exact.context_length) for name in "abc"}
+    with torch.inference_mode():
+        for name, ids in (("a", a), ("b", b), ("c", c)):
+            prefill(exact.model, caches[name], ids)
+        first = Batch([caches["a"], caches["b"]], [1, 1])
+        exact.model(torch.tensor([0, alone["b"][0][0]]), first.positions, first, last_only=True)
+        second = Batch([caches["c"], caches["b"]], [1, 1])
+        assert second.positions[0] == first.positions[0]
+        logits = exact.model(torch.tensor([alone["c"][0][0], alone["b"][0][1]]), second.positions, second,
+                             last_only=True)
+    for cache in caches.values():
+        cache.release()
+    for row, want in ((0, alone["c"][1][1]), (1, alone["b"][1][2])):
+        assert torch.allclose(logits[row], want, atol=LOGIT_ATOL, rtol=0), (row, float((logits[row] - want).abs().max()))
+
+
 def test_default_path_batched_decode_is_bit_equal_to_alone(smollm2_file, monkeypatch):
     """On the CPU kernels a batched decode step is one fused call per layer
     half for all the sequences (GEMV rows are independent, each sequence's

@@ -234,23 +234,28 @@ class RopeCache:
     """The cos/sin tables of the latest step, shared by every layer with the
     same inverse frequencies, so a step computes them once, not per layer.
 
-    Invariant: ``positions`` are consecutive (a step's ``start..start+T-1``),
-    so ``key`` = ``(start, T, dtype, device)`` names ``cached``, the tables;
-    ``positions`` is the tensor ``key`` was read from (kept, so no other
-    tensor takes its identity; positions are never changed in place).
+    Invariant: ``cached`` are the tables of exactly the values of
+    ``positions`` (for ``key`` = ``(dtype, device)``), the tensor they were
+    made from, kept so no other tensor takes its identity (positions are
+    never changed in place). A step's positions need not be consecutive: a
+    batch holds each sequence's next positions one after another, and two
+    steps may share the first position and the count with different values
+    after it, so a hit is the same tensor or equal values, never less.
     """
 
     def __init__(self):
         self.key = self.positions = self.cached = None
 
     def tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        key = (dtype, inv_freq.device)
         # The same positions tensor reaches every layer of a step: found by
-        # identity before reading its first value (a tensor read per layer
-        # costs a microsecond on the CPU, a device sync on a GPU).
-        if positions is self.positions and self.key[2:] == (dtype, inv_freq.device):
+        # identity before reading any value (a read costs a microsecond on
+        # the CPU, a device sync on a GPU; a step pays it once).
+        if positions is self.positions and key == self.key:
             return self.cached
-        key = (int(positions[0]), positions.shape[0], dtype, inv_freq.device)
-        if key != self.key:
+        old = self.positions
+        if not (key == self.key and old is not None and old.shape == positions.shape
+                and old.device == positions.device and torch.equal(old, positions)):
             self.key, self.cached = key, rope_tables(positions, inv_freq, dtype)
         self.positions = positions
         return self.cached

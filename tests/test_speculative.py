@@ -180,6 +180,28 @@ def test_a_verify_that_fails_for_memory_is_skipped_and_the_request_served(smollm
         assert _spec(spec)["spec_drafts"] == before["spec_drafts"]
 
 
+def test_verifies_failing_at_both_points_beside_another_sequence_leave_the_outputs_unchanged(model_file):
+    """Two sequences decoding together, out of memory at random at both
+    verify points: a step then mixes a plain row and a verify, or runs again
+    without its verifies, so consecutive steps may start at the same
+    position with the same row count and other positions after it. The
+    outputs are those without speculation (these seeds gave one sequence
+    another sequence's rotations when the rotary tables were keyed on the
+    first position and the count; ``test_server_faults`` met it one run in four)."""
+    code = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(6))
+    prompts = [f"Repeat this code exactly:\n\n{code}", f"Copy this, then say done:\n\n{code}"]
+    spec, plain = _pair(model_file, context_length=512, parallel=2)
+    prompts = [spec.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    want = [plain.generate(p, temperature=0, max_tokens=48).tokens for p in prompts]
+    for seed in (8, 31):
+        with inject_fault("verify_forward", rate=0.5, seed=seed) as after, \
+                inject_fault("verify", rate=0.3, seed=seed + 1000) as planned:
+            got = [c.tokens for c in spec.generate_many(prompts, temperature=0, max_tokens=48)]
+        assert got == want, (seed, [spec.detokenize(g) for g in got])
+        assert after.fired > 0 and planned.fired > 0
+    assert spec.scheduler.counters["failed_steps"] == 0
+
+
 def _scheduler(engine, sequences: float, spec: bool, chunk_tokens: int = 512, running: int = 1) -> Scheduler:
     """A scheduler over ``engine``'s model with a pool of ``sequences`` full sequences' blocks."""
     model = engine.model

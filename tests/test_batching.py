@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import strata_runtime
 from strata_kernels import KVStore
 from strata_runtime.scheduling.batch import Batch
 from strata_runtime.models.generation import decode_step, prefill
+from strata_runtime.models.layers import RopeCache, rope_inverse_frequencies, rope_tables
 from strata_runtime.state.kv_cache import KVCache
 from strata_runtime.scheduling.sampling import SamplingParams
 
@@ -87,6 +90,27 @@ def test_batched_decode_logits_equal_alone(exact):
     for i, x in enumerate(ids):
         alone = _alone(exact, x, 2)[1][1]
         assert torch.allclose(batched[i], alone, atol=LOGIT_ATOL, rtol=0), float((batched[i] - alone).abs().max())
+
+
+# A step: each sequence's (next position, rows); its positions are the runs one after another.
+_steps = st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), min_size=1, max_size=4),
+                  min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_steps)
+def test_the_rotary_tables_of_every_step_are_its_positions_own(steps):
+    """Whatever positions a run of steps brings (each a new tensor; runs of
+    several sequences, starts shared between steps), the shared tables are
+    those of the step's own positions, for each layer that asks."""
+    cache = RopeCache()
+    inv_freq = rope_inverse_frequencies(16, 10000.0)
+    for runs in steps:
+        positions = torch.cat([torch.arange(start, start + n) for start, n in runs])
+        want = rope_tables(positions, inv_freq, torch.float32)
+        for _ in range(2):  # two layers of the step
+            got = cache.tables(positions, inv_freq, torch.float32)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), positions.tolist()
 
 
 def test_a_step_after_one_with_the_same_first_position_and_count_gets_its_own_rotations(exact):

@@ -5,11 +5,13 @@ word GEMV kernel (``_triton_gemv_words``, its plain-Triton form) exactly as
 CUDA would launch them; a prompt's take the dense path over the same planes.
 
 Tiny random-weight llama files of each type with a word layout that the test
-files can hold, against the exact float32 path on the same file: a prompt
-and six teacher-forced decode steps. A decode step's only difference from
-the exact path is x's 16-bit codes per 32 values, so the logits agree to
-within parts in 10^4 of their largest, with the same top token. (`tests/test_cuda_families.py` runs the same on a
-GPU with the compiled kernels.)
+files can hold, against the exact float32 path on the same file: a prompt,
+six teacher-forced decode steps, then four tokens at once (a verify, on the
+tensor-core GEMV). A decode step's only difference from the exact path is
+x's 16-bit codes per 32 values, so its logits agree to within parts in 10^4
+of their largest; a verify's rows, with each weight rounded to float16, to
+within parts in 10^3; the top token is the same at every step.
+(`tests/test_cuda_families.py` runs the same on a GPU with the compiled kernels.)
 """
 
 from __future__ import annotations
@@ -53,12 +55,22 @@ def _both_paths(monkeypatch, path, steps: int):
     return gpu_path, _teacher_forced(gpu_path, ids, forced), _teacher_forced(exact, ids, forced)
 
 
+# A one-row decode step differs from the exact path only by x's 16-bit codes; the verify's rows run the
+# tensor-core GEMV, which rounds each weight (code x scale) to float16 and meets the K-quants' mins with x's
+# float16 sums: parts in 10^3 of the largest logit (Q4_K's mins the most: 4.9e-3 and KL 1.2e-4 on a Zen 4,
+# under 1e-4 on a Sapphire Rapids). A misplaced weight or scale moves the logits by far more than either.
+DECODE_BOUNDS = dict(kl=1e-4, relative=5e-3)
+VERIFY_BOUNDS = dict(kl=5e-4, relative=1e-2)
+
+
 def _assert_agree(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
-    """The same top token at every step, KL below 1e-4, logits within 0.5% of the largest."""
+    """The same top token at every step; KL and the largest logit difference
+    (relative to the largest logit) within the bounds of the step's path."""
     for step, (g, e) in enumerate(zip(got, expected)):
+        bounds = VERIFY_BOUNDS if step >= len(got) - VERIFY else DECODE_BOUNDS
         kl = torch.nn.functional.kl_div(g.log_softmax(-1), e.log_softmax(-1), log_target=True, reduction="sum")
-        assert g.argmax() == e.argmax() and kl < 1e-4, (step, float(kl))
-        assert (g - e).abs().max() < 5e-3 * e.abs().max(), step
+        assert g.argmax() == e.argmax() and kl < bounds["kl"], (step, float(kl))
+        assert (g - e).abs().max() < bounds["relative"] * e.abs().max(), step
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_1], ids=lambda t: t.name)

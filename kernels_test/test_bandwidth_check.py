@@ -52,9 +52,7 @@ EXPECTED_FAILURES = {
     ("gemv-words", "IQ4_XS 14336x4096 M=1", "sm_90"): "R2",
     ("attention", "int8 D=128 4K", "sm_90"): "R2",
     ("attention", "int8 D=256 4K", "sm_90"): "R2",
-    ("attention", "k8v4 D=128 4K", "sm_86"): "R2",
     ("attention", "k8v4 D=128 4K", "sm_90"): "R2",
-    ("attention", "k8v4 D=256 4K", "sm_86"): "R2",
     ("attention", "k8v4 D=256 4K", "sm_90"): "R2",
 }
 

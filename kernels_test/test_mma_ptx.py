@@ -1,10 +1,13 @@
-"""The tensor-core GEMV's inline PTX conversions, run on this CPU by a small
-interpreter of the instructions they use (``and``, ``or``, ``xor``, ``shl``,
-``shr``, ``mov``, ``prmt``), against the codes the word planes hold: each
-conversion puts every weight of a word where ``_weight_order`` (what the
-plain Triton form and x's rows follow) says it is, as 1024 + code (64 +
-code for a nibble type's high tile). Without a GPU this is what checks the
-PTX strings themselves; the GPU-marked test compares the compiled kernel."""
+"""The tensor-core GEMV's and the attention's inline PTX conversions, run on
+this CPU by a small interpreter of the instructions they use (``and``,
+``or``, ``xor``, ``shl``, ``shr``, ``mov`` (a pair unpacked too), ``prmt``,
+``sub.f16x2``), against the codes the word planes hold: each conversion
+puts every weight of a word where ``_weight_order`` (what the plain Triton
+form and x's rows follow) says it is, as 1024 + code (64 + code for a
+nibble type's high tile); the attention's give each byte (int8 KV) or
+4-bit code's IQ4_NL level (k8v4 values) as float16, in order. Without a GPU
+this is what checks the PTX strings themselves; the GPU-marked tests
+compare the compiled kernels."""
 
 from __future__ import annotations
 
@@ -45,6 +48,15 @@ def _prmt(a, b, sel):
     return out
 
 
+def _halves(word: np.ndarray) -> np.ndarray:
+    """A 32-bit register as its two float16 (low half first) ``[..., 2]``."""
+    return np.asarray(word, dtype=np.uint64).astype(np.uint32)[..., None].view(np.float16)
+
+
+def _from_halves(pair: np.ndarray) -> np.ndarray:
+    return pair.astype(np.float16).view(np.uint32)[..., 0].astype(np.uint64)
+
+
 def run_ptx(text: str, operands: dict[int, np.ndarray], outputs: int) -> list[np.ndarray]:
     """Run ``text`` (an ``inline_asm_elementwise`` body) on uint32 arrays:
     ``operands`` maps $N to its values; returns $0..$(outputs - 1)."""
@@ -54,6 +66,12 @@ def run_ptx(text: str, operands: dict[int, np.ndarray], outputs: int) -> list[np
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if args.startswith("{"):  # mov.b32 {$a, $b}, r: a 32-bit register unpacked into two 16-bit ones
+            pair, source = args[1:].split("}")
+            low, high = [t.strip() for t in pair.split(",")]
+            word = _value(source.strip(" ,"), regs)
+            regs[low], regs[high] = word & np.uint64(0xFFFF), word >> np.uint64(16)
+            continue
         dst, *src = [s.strip() for s in args.split(",")]
         v = [_value(s, regs) for s in src]
         name = op.split(".")[0]
@@ -72,6 +90,8 @@ def run_ptx(text: str, operands: dict[int, np.ndarray], outputs: int) -> list[np
             r = v[0] + np.zeros_like(v[0])
         elif name == "prmt":
             r = _prmt(v[0], v[1], v[2])
+        elif op == "sub.f16x2":
+            r = _from_halves(_halves(v[0]) - _halves(v[1]))
         else:
             raise AssertionError(f"no interpreter for {op}")
         regs[dst] = np.asarray(r, dtype=np.uint64) & MASK
@@ -139,3 +159,31 @@ def test_the_interpreter_reads_prmt_as_ptx_defines_it():
     assert _prmt(a, b, np.uint64(0x7531)) == 0xF7553311
     assert _prmt(a, b, np.uint64(0x0F00)) == 0x00FF0000  # nibble 2 picks byte 7 (0xF7) with its sign
     assert run_ptx("{ mov.b32 t, 0x64646464; prmt.b32 $0, $1, t, 0x5140; }", {1: np.uint64(0x0201)}, 1)[0] == 0x64026401
+
+
+def test_int8_words_become_their_bytes_as_float16():
+    """The attention's int8 KV conversion: each of a word's four signed
+    bytes, byte 0 first, exactly (every byte value in every position)."""
+    from strata_kernels._triton_convert import WORD_BYTES
+
+    rng = np.random.default_rng(5)
+    data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096, dtype=np.uint8)])
+    words = data.view(np.uint32).astype(np.uint64)
+    out = run_ptx(WORD_BYTES.value, {4: words}, 4)
+    got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1).reshape(-1)
+    assert np.array_equal(got, data.view(np.int8).astype(np.float16))
+
+
+def test_k8v4_value_words_become_their_levels_as_float16():
+    """The attention's k8v4 value conversion: each of a word's eight 4-bit
+    codes (code k in bits 4k..4k+3) as its IQ4_NL level, exactly."""
+    from strata_kernels._triton_convert import WORD_IQ4_LEVELS
+
+    levels = lookup_table("iq4nl_values", torch.device("cpu")).numpy().astype(np.float16)
+    rng = np.random.default_rng(6)
+    words = np.concatenate([np.arange(16, dtype=np.uint64) * np.uint64(0x11111111),
+                            rng.integers(0, 2**32, 4096, dtype=np.uint64)])
+    out = run_ptx(WORD_IQ4_LEVELS.value, {8: words}, 8)
+    got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1)
+    codes = (words[:, None] >> (np.uint64(4) * np.arange(8, dtype=np.uint64))) & np.uint64(15)
+    assert np.array_equal(got, levels[codes.astype(np.int64)])

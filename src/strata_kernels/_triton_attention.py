@@ -10,49 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_convert import bytes_to_f16
+from ._triton_convert import word_bytes_to_f16, word_iq4_levels_to_f16
 from .kv_quant import KVStore
 from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
-
-
-@triton.jit
-def _iq4_levels(byte, USE_ASM: tl.constexpr):
-    """IQ4_NL's levels (signed bytes) of the low and of the high nibbles of
-    ``byte`` (uint8): the codebook by ``prmt`` with the table in the
-    instruction, 4 bytes a register (``pack``), or in plain Triton by
-    arithmetic on the same table's bytes."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 index, bank, a, b, first, second;
-            and.b32 index, $2, 0x77777777;
-            shr.u32 bank, $2, 1;
-            and.b32 bank, bank, 0x44444444;
-            or.b32 bank, bank, 0x32103210;
-            prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, index;
-            prmt.b32 b, 0x26190D01, 0x71594535, index;
-            prmt.b32 first, a, b, bank;
-            shr.u32 index, index, 16;
-            shr.u32 bank, bank, 16;
-            prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, index;
-            prmt.b32 b, 0x26190D01, 0x71594535, index;
-            prmt.b32 second, a, b, bank;
-            prmt.b32 $0, first, second, 0x6420;
-            prmt.b32 $1, first, second, 0x7531;
-            }""",
-            "=r,=r,r", [byte], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
-    code = byte.to(tl.int32)
-    return _iq4_level(code & 15), _iq4_level(code >> 4)
-
-
-@triton.jit
-def _iq4_level(code):
-    """IQ4_NL's level of a 4-bit code (plain Triton: the 16 bytes of the
-    table as four words, the code's byte shifted out)."""
-    word = tl.where(code < 4, -1079142271, tl.where(code < 8, -152379953,
-                                                    tl.where(code < 12, 639175937, 1901675829)))
-    return ((word << (24 - 8 * (code % 4))) >> 24).to(tl.int8)
 
 
 @triton.jit
@@ -60,8 +21,9 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
              BLOCK_N: tl.constexpr, operand: tl.constexpr, USE_ASM: tl.constexpr):
     """``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N]``, in the
     products' ``operand`` dtype. Quantized formats are read as whole rows of
-    codes (16 bytes a load), converted to float16 4 a register, and scaled
-    in a tile ``[BLOCK_N, groups, group]`` that meets each group's scale."""
+    codes as int32 words (16 bytes a load), each word converted into the
+    float16 values it holds, in order, and scaled in a tile ``[BLOCK_N,
+    groups, group]`` that meets each group's scale."""
     row = (slots * HKV + kvh).to(tl.int64)
     # One branch each (compile-time): a head dim under 64 never meets the quantized formats' groups.
     if FMT == 0:
@@ -70,19 +32,27 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
     elif FMT == 2 and IS_V:  # k8v4 values: two 4-bit codes a byte (value 2i low, 2i + 1 high), a scale per 32
         BLOCKS: tl.constexpr = D // 32
         b = tl.arange(0, BLOCKS)
-        i = tl.arange(0, 16)
-        byte = tl.load(data + row[:, None, None] * (D // 2) + b[None, :, None] * 16 + i[None, None, :])
-        low, high = _iq4_levels(byte, USE_ASM)
-        levels = bytes_to_f16(tl.join(low, high), USE_ASM)  # [N, BLOCKS, 16, 2]: value 32 b + 2 i + h
+        w = tl.arange(0, 4)
+        # Whole words, eight float16 levels out of each, joined in registers in code order (the joins' new
+        # dimensions come out bit-reversed: value 4i + 2j + k at [.., i, j, k] takes leaf 4k + 2j + i)
+        words = tl.load(data.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (D // 8) + b[None, :, None] * 4
+                        + w[None, None, :])
+        v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_to_f16(words, USE_ASM)
+        levels = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                         tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(BLOCK_N, BLOCKS, 32)
         scale = tl.load(scales + row[:, None] * BLOCKS + b[None, :])
-        tile = (levels * scale[:, :, None, None]).reshape(BLOCK_N, D).to(operand)
+        tile = (levels * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
     else:
         G: tl.constexpr = D // 64  # int8 keys (and values): a scale per 64
         g = tl.arange(0, G)
-        j = tl.arange(0, 64)
-        codes = tl.load(data + row[:, None, None] * D + g[None, :, None] * 64 + j[None, None, :])
+        w = tl.arange(0, 16)
+        # Whole words (16 bytes a load), four float16 out of each, joined in registers in byte order
+        words = tl.load(data.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (D // 4) + g[None, :, None] * 16
+                        + w[None, None, :])
+        b0, b1, b2, b3 = word_bytes_to_f16(words, USE_ASM)
+        values = tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(BLOCK_N, G, 64)  # [.., j, a]: byte 2j + a
         scale = tl.load(scales + row[:, None] * G + g[None, :])
-        tile = (bytes_to_f16(codes, USE_ASM) * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
+        tile = (values * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
     return tile
 
 

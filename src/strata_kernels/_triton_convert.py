@@ -2,11 +2,15 @@
 kernels that feed weights or KV to the tensor cores (imported only when the
 Triton backend runs).
 
-Each works four bytes a register through inline PTX (``pack=4``): a code,
-made unsigned, becomes the low mantissa bits of a float16 whose exponent
-puts it at 1024 + code (``prmt`` with 0x64 bytes), and the offset is
-subtracted exactly (``sub.f16x2``). ``USE_ASM`` False: the plain Triton
-conversions of the same values (what the interpreter runs): equal.
+Each works four bytes a register through inline PTX: a code, made
+unsigned, becomes the low mantissa bits of a float16 whose exponent puts it
+at 1024 + code (``prmt`` with 0x64 bytes), and the offset is subtracted
+exactly (``sub.f16x2``). The byte forms take a tensor of bytes (``pack=4``);
+the word forms an int32 word of codes and give one tensor per code (a tile
+loaded as words keeps 16-byte loads and its values in registers in the
+order the tensor cores read them). ``USE_ASM`` False: the plain Triton
+conversions of the same values (what the interpreter runs): equal; the PTX
+strings run on a CPU in ``kernels_test/test_mma_ptx.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,90 @@ _NIBBLES = """{
     }"""
 NIBBLES_LESS_8 = tl.constexpr(_NIBBLES % "0x64086408")
 NIBBLES = tl.constexpr(_NIBBLES % "0x64006400")
+
+
+# An int32 word of four signed bytes in $4 -> each byte as float16 in $0..$3 (byte 0 first): as bytes_to_f16,
+# unpacked from the two float16 pairs (a tile loaded as words keeps its loads 16 bytes wide and its
+# registers in the order the dot reads them).
+WORD_BYTES = tl.constexpr("""{
+    .reg .b32 u, lo, hi, bias;
+    xor.b32 u, $4, 0x80808080;
+    prmt.b32 lo, u, 0x64646464, 0x5140;
+    prmt.b32 hi, u, 0x64646464, 0x7362;
+    mov.b32 bias, 0x64806480;
+    sub.f16x2 lo, lo, bias;
+    sub.f16x2 hi, hi, bias;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
+    }""")
+
+
+# An int32 word of eight 4-bit codes in $8 (byte j: code 2j low, 2j + 1 high) -> each code's IQ4_NL level as
+# float16 in $0..$7, code 0 first: the levels + 128 (unsigned bytes) looked up by prmt in two 8-value
+# banks (the low 3 bits of a code pick a byte, its top bit the bank), then made float16 as above.
+WORD_IQ4_LEVELS = tl.constexpr("""{
+    .reg .b32 index, bank, a, b, first, second, lo, hi, bias;
+    and.b32 index, $8, 0x77777777;
+    shr.u32 bank, $8, 1;
+    and.b32 bank, bank, 0x44444444;
+    or.b32 bank, bank, 0x32103210;
+    prmt.b32 a, 0x3F2D1801, 0x766A5D4F, index;
+    prmt.b32 b, 0xA6998D81, 0xF1D9C5B5, index;
+    prmt.b32 first, a, b, bank;
+    shr.u32 index, index, 16;
+    shr.u32 bank, bank, 16;
+    prmt.b32 a, 0x3F2D1801, 0x766A5D4F, index;
+    prmt.b32 b, 0xA6998D81, 0xF1D9C5B5, index;
+    prmt.b32 second, a, b, bank;
+    mov.b32 bias, 0x64806480;
+    prmt.b32 lo, first, 0x64646464, 0x5140;
+    prmt.b32 hi, first, 0x64646464, 0x7362;
+    sub.f16x2 lo, lo, bias;
+    sub.f16x2 hi, hi, bias;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
+    prmt.b32 lo, second, 0x64646464, 0x5140;
+    prmt.b32 hi, second, 0x64646464, 0x7362;
+    sub.f16x2 lo, lo, bias;
+    sub.f16x2 hi, hi, bias;
+    mov.b32 {$4, $5}, lo;
+    mov.b32 {$6, $7}, hi;
+    }""")
+
+
+@triton.jit
+def _iq4_level(code):
+    """IQ4_NL's level of a 4-bit code (plain Triton: the 16 bytes of the
+    table as four words, the code's byte shifted out)."""
+    word = tl.where(code < 4, -1079142271, tl.where(code < 8, -152379953,
+                                                    tl.where(code < 12, 639175937, 1901675829)))
+    return ((word << (24 - 8 * (code % 4))) >> 24).to(tl.int8)
+
+
+@triton.jit
+def word_iq4_levels_to_f16(words, USE_ASM: tl.constexpr):
+    """The IQ4_NL levels of the eight 4-bit codes of each int32 of ``words``
+    (code ``k`` in bits ``4k..4k+3``) as float16, exactly: eight tensors of
+    ``words``' shape, code 0's first."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(WORD_IQ4_LEVELS, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                                         dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    return (_iq4_level(words & 15).to(tl.float16), _iq4_level((words >> 4) & 15).to(tl.float16),
+            _iq4_level((words >> 8) & 15).to(tl.float16), _iq4_level((words >> 12) & 15).to(tl.float16),
+            _iq4_level((words >> 16) & 15).to(tl.float16), _iq4_level((words >> 20) & 15).to(tl.float16),
+            _iq4_level((words >> 24) & 15).to(tl.float16), _iq4_level((words >> 28) & 15).to(tl.float16))
+
+
+@triton.jit
+def word_bytes_to_f16(words, USE_ASM: tl.constexpr):
+    """The four signed bytes of each int32 of ``words`` as float16, exactly:
+    four tensors of ``words``' shape, byte 0's first."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(WORD_BYTES, "=h,=h,=h,=h,r", [words],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                         pack=1)
+    return (((words << 24) >> 24).to(tl.float16), ((words << 16) >> 24).to(tl.float16),
+            ((words << 8) >> 24).to(tl.float16), (words >> 24).to(tl.float16))
 
 
 @triton.jit

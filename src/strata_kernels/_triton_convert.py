@@ -39,21 +39,29 @@ NIBBLES_LESS_8 = tl.constexpr(_NIBBLES % "0x64086408")
 NIBBLES = tl.constexpr(_NIBBLES % "0x64006400")
 
 
+# A word of four unsigned bytes in register SRC -> each as float16 (1024 + byte - 1152, exact) in $A..$D,
+# byte 0 first (``bias`` holds 1152 twice).
+_WORD_TO_F16 = """
+    prmt.b32 lo, {src}, 0x64646464, 0x5140;
+    prmt.b32 hi, {src}, 0x64646464, 0x7362;
+    sub.f16x2 lo, lo, bias;
+    sub.f16x2 hi, hi, bias;
+    mov.b32 {{${0}, ${1}}}, lo;
+    mov.b32 {{${2}, ${3}}}, hi;"""
+
+
+def _to_f16(src: str, first: int) -> str:
+    return _WORD_TO_F16.format(first, first + 1, first + 2, first + 3, src=src)
+
+
 # An int32 word of four signed bytes in $4 -> each byte as float16 in $0..$3 (byte 0 first): as bytes_to_f16,
 # unpacked from the two float16 pairs (a tile loaded as words keeps its loads 16 bytes wide and its
 # registers in the order the dot reads them).
 WORD_BYTES = tl.constexpr("""{
     .reg .b32 u, lo, hi, bias;
     xor.b32 u, $4, 0x80808080;
-    prmt.b32 lo, u, 0x64646464, 0x5140;
-    prmt.b32 hi, u, 0x64646464, 0x7362;
-    mov.b32 bias, 0x64806480;
-    sub.f16x2 lo, lo, bias;
-    sub.f16x2 hi, hi, bias;
-    mov.b32 {$0, $1}, lo;
-    mov.b32 {$2, $3}, hi;
+    mov.b32 bias, 0x64806480;""" + _to_f16("u", 0) + """
     }""")
-
 
 # An int32 word of eight 4-bit codes in $8 (byte j: code 2j low, 2j + 1 high) -> each code's IQ4_NL level as
 # float16 in $0..$7, code 0 first: the levels + 128 (unsigned bytes) looked up by prmt in two 8-value
@@ -72,19 +80,7 @@ WORD_IQ4_LEVELS = tl.constexpr("""{
     prmt.b32 a, 0x3F2D1801, 0x766A5D4F, index;
     prmt.b32 b, 0xA6998D81, 0xF1D9C5B5, index;
     prmt.b32 second, a, b, bank;
-    mov.b32 bias, 0x64806480;
-    prmt.b32 lo, first, 0x64646464, 0x5140;
-    prmt.b32 hi, first, 0x64646464, 0x7362;
-    sub.f16x2 lo, lo, bias;
-    sub.f16x2 hi, hi, bias;
-    mov.b32 {$0, $1}, lo;
-    mov.b32 {$2, $3}, hi;
-    prmt.b32 lo, second, 0x64646464, 0x5140;
-    prmt.b32 hi, second, 0x64646464, 0x7362;
-    sub.f16x2 lo, lo, bias;
-    sub.f16x2 hi, hi, bias;
-    mov.b32 {$4, $5}, lo;
-    mov.b32 {$6, $7}, hi;
+    mov.b32 bias, 0x64806480;""" + _to_f16("first", 0) + _to_f16("second", 4) + """
     }""")
 
 

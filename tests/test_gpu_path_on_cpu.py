@@ -73,7 +73,8 @@ def _assert_agree(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None
         assert (g - e).abs().max() < bounds["relative"] * e.abs().max(), step
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_1, Q.IQ3_S, Q.IQ2_XXS],
+                         ids=lambda t: t.name)
 def test_the_gpu_word_path_matches_the_exact_path(tmp_path, monkeypatch, qtype):
     from strata_runtime.models.layers import Linear
 

@@ -338,10 +338,15 @@ def prepare(x: torch.Tensor, planes: WordPlanes) -> tuple[torch.Tensor, torch.Te
     return prepare_activations(x, pairing_of(planes), triton.next_power_of_2(x.shape[0]))
 
 
-def _block_c(chunks: int, block_c: int, superblocks: bool) -> int:
+def _block_c(chunks: int, block_c: int, superblocks: bool, grid_type: bool = False) -> int:
     """The launch plan's chunk tile, or the largest power of two below it
     that divides a row's chunks (K = 640 in Q4_0 is 20 chunks: tiles of 4);
-    a superblock type's rows are always whole tiles of 8."""
+    a superblock type's rows are always whole tiles of 8 (a grid type's
+    tiles of 32-weight chunks divide a superblock's 8)."""
+    if grid_type:
+        if 8 % block_c:
+            raise ValueError(f"a grid type's tile divides a superblock's 8 chunks, got {block_c}")
+        return block_c
     if superblocks:
         if block_c % 8:
             raise ValueError(f"a superblock type's tile is whole superblocks of 8 chunks, got {block_c}")
@@ -378,6 +383,11 @@ def gemv_words_grouped(x: torch.Tensor, planes: WordPlanes, n_experts: int, runs
     return _launch(x, planes, planes.rows // n_experts, groups, len(runs), rows, splits, use_asm, None, tiles)
 
 
+def _new_out(splits: int, m: int, n: int, n_groups: int, device: torch.device) -> torch.Tensor:
+    """The splits' partial sums ``[splits, m, n]`` (zeros for groups: rows of x in no group stay zero)."""
+    return (torch.empty if n_groups == 1 else torch.zeros)((splits, m, n), dtype=torch.float32, device=device)
+
+
 @functools.cache
 def _one_group(m: int, device: torch.device) -> torch.Tensor:
     """The group table of a plain weight, made once (a call inside a CUDA
@@ -392,11 +402,13 @@ def _launch(x, planes, n, groups, n_groups, rows, splits, use_asm, prepared, til
     launch = gemv_words_launch(int(planes.qtype), rows, **tiles)
     if k != planes.cols:
         raise ValueError(f"x has {k} columns, the weight {planes.cols}")
-    chunks = planes.words_per_row // 4
+    grid_type = planes.kind.grid is not None
+    chunks = k // BLOCK if grid_type else planes.words_per_row // 4  # a grid type's chunks are of 32 weights
     if tiles.get("block_c") and chunks % tiles["block_c"]:
-        raise ValueError(f"{chunks} chunks of 4 words a row are not whole tiles of {tiles['block_c']}")
+        what = "32 weights" if grid_type else "4 words"
+        raise ValueError(f"{chunks} chunks of {what} a row are not whole tiles of {tiles['block_c']}")
     block_n, block_m = launch.constexprs["BLOCK_N"], launch.constexprs["BLOCK_M"]
-    block_c = _block_c(chunks, launch.constexprs["BLOCK_C"], planes.kind.chunks_per_super > 1)
+    block_c = _block_c(chunks, launch.constexprs["BLOCK_C"], planes.kind.chunks_per_super > 1, grid_type)
     if prepared is None:  # x's rows, and BLOCK_M of zeros after them for the last group's tile to read
         prepared = prepare_activations(x, pairing_of(planes), m + block_m if n_groups > 1 else block_m)
     xw, xmeta = prepared
@@ -406,18 +418,24 @@ def _launch(x, planes, n, groups, n_groups, rows, splits, use_asm, prepared, til
         splits = split_k(n_tiles * n_groups, chunks, block_c, sms)
     per_split = triton.cdiv(triton.cdiv(chunks, splits), block_c) * block_c
     splits = triton.cdiv(chunks, per_split)
-    out = (torch.empty if n_groups == 1 else torch.zeros)((splits, m, n), dtype=torch.float32, device=x.device)
     if use_asm is None:
         use_asm = x.is_cuda
     constexprs = {**launch.constexprs, "BLOCK_C": block_c, "USE_ASM": use_asm}
     common = (groups, m, n, planes.rows, planes.words_per_row, k // BLOCK, per_split)
     grid = (n_tiles, splits, n_groups)
-    if planes.scales is not None:
+    if grid_type:
+        from ._triton_gemv_grid import gemv_grid_launch
+
+        out = gemv_grid_launch(x, planes, prepared, groups, n, grid, (splits, per_split), constexprs,
+                               launch.num_warps)
+    elif planes.scales is not None:
+        out = _new_out(splits, m, n, n_groups, x.device)
         _gemv_words_kernel[grid](xw, xmeta, planes.quants, planes.scales, out, *common,
                                  **constexprs, num_warps=launch.num_warps)
     else:
         high = planes.high if planes.high is not None else planes.quants
         sub = planes.sub if planes.sub is not None else planes.quants
+        out = _new_out(splits, m, n, n_groups, x.device)
         _gemv_superblock_kernel[grid](xw, xmeta, planes.quants, high, sub, planes.supers, out, *common,
                                       **constexprs, num_warps=launch.num_warps)
     return out.sum(dim=0).to(x.dtype)

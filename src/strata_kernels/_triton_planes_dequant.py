@@ -103,6 +103,10 @@ def dequantize_planes_into(planes: WordPlanes, out: torch.Tensor) -> torch.Tenso
     dtype, on the planes' device), which is returned."""
     if out.shape != (planes.rows, planes.cols) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{planes.rows}, {planes.cols}], got {tuple(out.shape)}")
+    if planes.kind.grid:
+        from ._triton_gemv_grid import dequantize_grid_into
+
+        return dequantize_grid_into(planes, out)
     launch = planes_dequant_launch(int(planes.qtype))
     c = launch.constexprs
     kb = planes.cols // BLOCK

@@ -16,7 +16,9 @@ loads in flight. For each kernel at the shapes users run, compiled for each
 - R3: CTAs at the smallest shape, at least ``R3_MIN_WAVES`` times the SMs
   (loads in flight on every SM);
 - R4 (reported): loads in the longest chain of address dependences within
-  one iteration, each a memory round trip.
+  one iteration, each a memory round trip;
+- lookups (reported): loads from a cached table (a grid type's codebook;
+  ``sass``), counted in R2's instructions, not in R1's bytes.
 
 ``estimate`` turns the figures into a share of copy bandwidth through a
 stated model (``Model``): per SM, the resident warps each run one iteration
@@ -49,7 +51,7 @@ CHECK_TARGETS = ("sm_86", "sm_90")  # compile_targets.LOOP_TARGETS reads their l
 GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ3_S", "IQ2_XXS")
 GEMV_SHAPES = ((4096, 14336), (14336, 4096))  # N x K: an 8B model's MLP down and up/gate projections
 GEMV_ROWS = (1, 8)
-WORD_GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS")  # the types with a GPU word layout (word_planes)
+WORD_GEMV_TYPES = GEMV_TYPES  # every type the check covers has a GPU word layout (word_planes)
 ATTENTION_FORMATS = ("f16", "int8", "k8v4")
 ATTENTION_HEAD_DIMS = (128, 256)
 # The smallest attention a decode step runs here: one sequence, 8 KV heads of
@@ -119,11 +121,16 @@ class Check:
         return out
 
 
+LOOKUP_SECTORS = 8.0  # a lookup: a gather of up to 32 sectors, served by L1 at 4 a clock against memory's 1
+
+
 def load_sectors(loop: LoopFigures) -> float:
     """32-byte sectors the loop's loads touch per warp and iteration: a load
     narrower than 4 bytes a thread is a gather (32 sectors), a wider one
-    moves 32 x its width in whole sectors."""
-    return loop.narrow_loads * 32 + (loop.load_bytes - loop.narrow_bytes) * 32 / 32
+    moves 32 x its width in whole sectors; a lookup (``sass``) costs the
+    load unit ``LOOKUP_SECTORS``."""
+    return (loop.narrow_loads * 32 + (loop.load_bytes - loop.narrow_bytes) * 32 / 32
+            + loop.lookups * LOOKUP_SECTORS)
 
 
 def estimate(loop: LoopFigures, ctas: int, num_warps: int, occupancy: float, part: Part,
@@ -166,11 +173,11 @@ def judged(checks: list[Check]) -> list[Check]:
 
 def format_table(checks: list[Check]) -> str:
     lines = [f"{'kernel':<10} {'what':<34} {'target':<6} {'B/load':>6} {'ins/KiB':>8} {'CTAs/SM':>7} "
-             f"{'trips':>5} {'shfl':>4} {'bar':>3} {'est':>6}  fails"]
+             f"{'trips':>5} {'shfl':>4} {'bar':>3} {'look':>4} {'est':>6}  fails"]
     for c in checks:
         lines.append(f"{c.kernel:<10} {c.what:<34} {c.target:<6} {c.loop.bytes_per_load:>6.2f} "
                      f"{c.instructions_per_kib:>8.0f} {c.waves:>7.2f} {c.loop.round_trips:>5} "
-                     f"{c.loop.shuffles:>4} {c.loop.barriers:>3} {c.estimate:>6.1%}  "
+                     f"{c.loop.shuffles:>4} {c.loop.barriers:>3} {c.loop.lookups:>4} {c.estimate:>6.1%}  "
                      f"{'(not judged)' if c.kernel == 'blocks' else ' '.join(c.failures()) or '-'}")
     return "\n".join(lines)
 
@@ -229,9 +236,11 @@ def rows() -> list[Row]:
             continue
         config = gemv_words_config(qtype, m)
         c = config.constexprs
-        chunks = k * WORD_TYPES[T(qtype)].bits // 32 // 4
+        kind = WORD_TYPES[T(qtype)]
+        per_chunk = 32 if kind.grid else 4 * 32 // kind.bits  # weights a chunk (a grid type's: 32; 4 code words)
+        chunks = k // per_chunk
         splits = split_k(math.ceil(n / c["BLOCK_N"]), chunks, c["BLOCK_C"], PARTS["sm_90"].sms)
-        weights = c["BLOCK_N"] * c["BLOCK_C"] * 4 * 32 / WORD_TYPES[T(qtype)].bits  # 4 code words a chunk
+        weights = c["BLOCK_N"] * c["BLOCK_C"] * per_chunk
         out.append(Row("gemv-words", f"{name} {n}x{k} M={m}", (name, n, k, m), config,
                        gemv_ctas(c["BLOCK_N"], n, splits), weights * bytes_per_weight(T(qtype)) / config.num_warps))
     s = ATTENTION_SHAPE

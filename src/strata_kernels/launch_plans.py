@@ -100,6 +100,9 @@ def gemv_launch(qtype: int, m: int, n: int, k: int) -> KernelLaunch:
 # The word GEMV's kernel per type: BITS for _gemv_words_kernel, KIND for _gemv_superblock_kernel.
 WORD_KINDS = {T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4, T.IQ4_XS: 5, T.Q4_1: 6, T.Q5_0: 7, T.Q5_1: 8}
 # Kinds 6-8 are superblocks of one chunk (word_planes.WordType.unit_min); 3, 7 and 8 have Q5_K's high word.
+# The grid types' GEMV and dequantization (_triton_gemv_grid): their KIND.
+GRID_KINDS = {T.IQ3_S: 0, T.IQ2_XXS: 1}
+GRID_BLOCK_C = 4  # chunks of 32 weights a thread's row takes an iteration: 16 bytes of sign words (IQ3_S)
 
 
 def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: int | None = None,
@@ -109,16 +112,24 @@ def gemv_words_launch(qtype: int, m: int, block_n: int | None = None, block_c: i
     from .word_planes import WORD_TYPES
 
     s = gemv_words_settings(m)
-    kind = {"KIND": WORD_KINDS[T(qtype)]} if T(qtype) in WORD_KINDS else {"BITS": WORD_TYPES[T(qtype)].bits}
+    if T(qtype) in GRID_KINDS:  # a tile's chunks are of 32 weights here (of 4 code words in the others)
+        kind, tile = {"KIND": GRID_KINDS[T(qtype)]}, GRID_BLOCK_C
+    elif T(qtype) in WORD_KINDS:
+        kind, tile = {"KIND": WORD_KINDS[T(qtype)]}, s.block_k
+    else:
+        kind, tile = {"BITS": WORD_TYPES[T(qtype)].bits}, s.block_k
     return KernelLaunch(dict(kind, BLOCK_M=s.block_m, BLOCK_N=block_n or s.block_n,
-                             BLOCK_C=block_c or s.block_k, USE_ASM=True), num_warps or s.num_warps)
+                             BLOCK_C=block_c or tile, USE_ASM=True), num_warps or s.num_warps)
 
 
 def gemv_words_config(qtype: int, m: int, **tiles) -> KernelConfig:
     launch = gemv_words_launch(qtype, m, **tiles)
     pointers = {"xw": "*i32", "xmeta": "*fp32", "quants": "*i32", "out": "*fp32", "groups": "*i32"}
     label = _label(f"{T(qtype).name} words", launch, "i16")
-    if T(qtype) in WORD_KINDS:
+    if T(qtype) in GRID_KINDS:
+        pointers.update({"high_words": "*i32", "sub": "*i16", "supers": "*i32", "grid": "*i32"})
+        config = _config("_triton_gemv_grid", "_gemv_grid_kernel", label, launch, pointers, decode=True)
+    elif T(qtype) in WORD_KINDS:
         pointers.update({"high_words": "*i32", "sub": "*i16", "supers": "*i32"})
         config = _config("_triton_gemv_words", "_gemv_superblock_kernel", label, launch, pointers, decode=True)
     else:
@@ -160,8 +171,18 @@ def planes_dequant_launch(qtype: int) -> KernelLaunch:
     return KernelLaunch({"KIND": PLANES_KINDS[T(qtype)], "BLOCK_N": 16, "BLOCK_B": 8}, 4)
 
 
+def grid_dequant_launch(qtype: int) -> KernelLaunch:
+    return KernelLaunch({"KIND": GRID_KINDS[T(qtype)], "BLOCK_N": 16, "BLOCK_B": 4}, 4)
+
+
 def planes_dequant_config(qtype: int, dtype: str) -> KernelConfig:
     """Dequantizing a weight's planes into a ``dtype`` matrix (a prompt's matmul)."""
+    if T(qtype) in GRID_KINDS:
+        launch = grid_dequant_launch(qtype)
+        pointers = {"quants": "*i32", "high_words": "*i32", "sub": "*i16", "supers": "*i32", "grid": "*i32",
+                    "out": f"*{dtype}"}
+        return _config("_triton_gemv_grid", "_dequantize_grid_kernel",
+                       _label(f"{T(qtype).name} planes", launch, dtype), launch, pointers)
     launch = planes_dequant_launch(qtype)
     superblocks = T(qtype) in WORD_KINDS
     pointers = {"quants": "*i8" if T(qtype) == T.Q8_0 else "*u8", "scales": "*i32" if superblocks else "*fp16",

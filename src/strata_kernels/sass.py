@@ -11,6 +11,10 @@ says its width (``LDG.E.U8``: 1 byte a thread, ``LDG.E.128``: 16).
 bytes: warp-instructions, global loads and the bytes they bring per thread,
 shuffles and barriers, and the longest chain of loads whose addresses come
 from loads of the same iteration (each link a full memory round trip).
+A load marked evict-last (``LDG.E.EL``: ``tl.load(..., eviction_policy=
+"evict_last")``) is a *lookup* in a small table the kernels keep cached (a
+grid type's codebook): counted as an instruction and a lookup, not as
+streamed bytes or a round trip to memory. The kernels mark nothing else so.
 A kernel without a loop (fully unrolled) is read as one iteration.
 """
 
@@ -43,6 +47,7 @@ class LoopFigures:
     shuffles: int
     barriers: int
     looped: bool = True
+    lookups: int = 0  # evict-last loads from a cached table (not streamed, not counted above)
 
     @property
     def bytes_per_load(self) -> float:
@@ -117,8 +122,12 @@ def _registers(operands: str) -> set[int]:
     return regs
 
 
+def _is_lookup(opcode: str) -> bool:
+    return opcode.startswith("LDG") and "EL" in opcode.split(".")
+
+
 def _figures(body: list[tuple[int, str]], looped: bool) -> LoopFigures:
-    loads = load_bytes = narrow_loads = narrow_bytes = shuffles = barriers = 0
+    loads = load_bytes = narrow_loads = narrow_bytes = shuffles = barriers = lookups = 0
     depth: dict[int, int] = {}  # register -> loads in the chain that produced it, this iteration
     deepest = 0
     for _, instruction in body:
@@ -129,7 +138,9 @@ def _figures(body: list[tuple[int, str]], looped: bool) -> LoopFigures:
         dst, _, srcs = operands.partition(",")
         source_depth = max((depth.get(r, 0) for r in _registers(srcs)), default=0)
         width = _load_width(opcode)
-        if width is not None:
+        if width is not None and _is_lookup(opcode):
+            lookups += 1  # an L1 hit: its result's chain goes on at the depth of its index
+        elif width is not None:
             loads += 1
             load_bytes += width
             if width < 4:
@@ -143,7 +154,8 @@ def _figures(body: list[tuple[int, str]], looped: bool) -> LoopFigures:
             barriers += 1
         for r in _registers(dst):
             depth[r] = source_depth
-    return LoopFigures(len(body), loads, load_bytes, narrow_loads, narrow_bytes, deepest, shuffles, barriers, looped)
+    return LoopFigures(len(body), loads, load_bytes, narrow_loads, narrow_bytes, deepest, shuffles, barriers, looped,
+                       lookups)
 
 
 def loop_figures(sass: str) -> LoopFigures:

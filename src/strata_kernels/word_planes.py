@@ -34,6 +34,21 @@ and its sub-block scales.
 - ``supers`` int32 ``[cols / 256, rows]`` (superblock types): the float16
   ``d`` in the low half, ``dmin`` (Q4_K, Q5_K; else 0) in the high one.
 
+IQ3_S and IQ2_XXS (the *grid types*) keep their codebook indices as
+words; a kernel looks each index up in the type's grid (``grid_words``: 4
+signed-byte levels per word) and applies its sign bits:
+
+- IQ3_S: ``quants`` ``[rows, cols / 16]``, a chunk's 8 index bytes in 2
+  words (index ``k``: weights ``4k..4k+3``); ``high`` ``[rows, cols / 32]``,
+  the chunk's sign word (bit ``b``: weight ``b`` negative); ``sub`` the
+  index's ninth bits (bit ``k`` of the low byte) and the 4-bit scale in the
+  high byte; a weight is ``d * (1 + 2 scale) * level * sign``.
+- IQ2_XXS: ``quants`` ``[rows, cols / 32]``, a chunk's 4 index bytes
+  (index ``k``: weights ``8k..8k+7``); ``high`` the chunk's GGUF sign word
+  as it is (four 7-bit sign indices, bit 7 of each the parity of the
+  seven, and the 4-bit scale in bits 28..31); no ``sub``; a weight is
+  ``d * (0.5 + scale) / 4 * level * sign``.
+
 Q4_1, Q5_0 and Q5_1 (a float16 d, and m, per 32) are superblock types of
 one chunk without ``sub``: ``supers`` ``[cols / 32, rows]``, an implied
 scale of 1 and min of ``WordType.unit_min``: Q4_1 and Q5_1 hold ``-m`` as
@@ -42,12 +57,14 @@ dmin (min 1), Q5_0 ``d`` (min 16); Q5_0 and Q5_1 have Q5_K's high word.
 A weight is then ``d * scale * code - dmin * min`` (Q4_K, Q5_K; Q4_1, Q5_0,
 Q5_1: ``d * code + m``, ``d * code - 16 d``), ``d * scale * (code - 32)``
 (Q6_K), ``d * scale * kvalues[code]`` (IQ4_XS). Bytes: Q8_0, Q4_0, Q4_1 and
-Q5_1 as their blocks; Q4_K, Q5_K, Q6_K at most 3% more, IQ4_XS 9% (a 16-bit
-sub word per 32 weights where the blocks pack 12 bits), Q5_0 9% (its d twice).
+Q5_1 as their blocks; Q4_K, Q5_K, Q6_K, IQ2_XXS at most 3% more, IQ3_S 5.5%
+(a 16-bit sub word where the blocks pack 12 bits), IQ4_XS 9% (16 bits where
+they pack 8), Q5_0 9% (its d twice).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -64,14 +81,22 @@ SUPER = 256  # weights per superblock
 
 @dataclass(frozen=True)
 class WordType:
-    """How a type's planes are made: code bits in ``quants`` (8 or 4), high
-    words per chunk, whether scales come as ``sub`` x ``supers``, and, for a
-    superblock of one chunk (no ``sub``), the min its dmin multiplies."""
+    """How a type's planes are made: ``quants`` bits per weight (8 or 4;
+    a grid type's index bits, 2 or 1), high words per chunk, whether scales
+    come as ``sub`` x ``supers``, for a superblock of one chunk (no ``sub``)
+    the min its dmin multiplies, and a grid type's codebook (the
+    ``formats.lookup_table`` name)."""
 
     bits: int
     high_words: int = 0
     superblocks: bool = False
     unit_min: int | None = None
+    grid: str | None = None
+
+    @property
+    def has_sub(self) -> bool:
+        """Whether the planes hold ``sub`` (IQ2_XXS keeps its scale in its sign word)."""
+        return self.superblocks and self.unit_min is None and self.grid != "iq2xxs_grid"
 
     @property
     def chunks_per_super(self) -> int:
@@ -90,7 +115,9 @@ WORD_TYPES = {
     T.IQ4_XS: WordType(4, 0, True),
     T.Q4_1: WordType(4, 0, True, unit_min=1), T.Q5_0: WordType(4, 1, True, unit_min=16),
     T.Q5_1: WordType(4, 1, True, unit_min=1),
+    T.IQ3_S: WordType(2, 1, True, grid="iq3s_grid"), T.IQ2_XXS: WordType(1, 1, True, grid="iq2xxs_grid"),
 }
+GRID_TYPES = tuple(t for t, kind in WORD_TYPES.items() if kind.grid)
 
 
 def has_word_layout(qt: QuantTensor) -> bool:
@@ -100,7 +127,10 @@ def has_word_layout(qt: QuantTensor) -> bool:
 
 def pairing_of(planes: "WordPlanes") -> str:
     """How x's 16-bit codes pair to meet ``planes``' words (the GEMV's
-    ``_pairs``): by 8-bit codes, by nibbles, or by IQ4's value words."""
+    ``_pairs``): by 8-bit codes (a grid type's looked-up levels are those),
+    by nibbles, or by IQ4's value words."""
+    if planes.kind.grid:
+        return "8"
     return "iq4" if planes.qtype == T.IQ4_XS else str(planes.bits)
 
 
@@ -109,7 +139,8 @@ def bytes_per_weight(qtype: T) -> float:
     kind = WORD_TYPES[qtype]
     if kind.unit_min is not None:  # codes, high words, d and dmin
         return (BLOCK * kind.bits / 8 + 4 * kind.high_words + 4) / BLOCK
-    chunk = BLOCK * kind.bits / 8 + 4 * kind.high_words + 2  # codes, high words, a scale or a sub word
+    scale = 2 if kind.has_sub or not kind.superblocks else 0  # a float16 scale or a sub word
+    chunk = BLOCK * kind.bits / 8 + 4 * kind.high_words + scale  # codes, high words, a scale
     return chunk / BLOCK + (4 / SUPER if kind.superblocks else 0)
 
 
@@ -121,9 +152,10 @@ class WordPlanes:
     Invariant: every plane present is contiguous and on one device;
     ``quants`` is int32 ``[rows, cols * bits / 32]``; ``scales`` is present
     exactly for the types without superblocks, ``supers`` exactly for those
-    with, ``sub`` for those with but those of one chunk (``unit_min``);
-    ``high`` exactly for Q5_K, Q6_K, Q5_0 and Q5_1; ``cols`` is a multiple of
-    32 (of 256 with superblocks of 8 chunks)."""
+    with, ``sub`` for those with but those of one chunk (``unit_min``) and
+    IQ2_XXS (``WordType.has_sub``); ``high`` exactly for Q5_K, Q6_K, Q5_0,
+    Q5_1 and the grid types; ``cols`` is a multiple of 32 (of 256 with
+    superblocks of 8 chunks)."""
 
     qtype: T
     rows: int
@@ -163,6 +195,8 @@ class WordPlanes:
         """Whether every block scale is below 64, so that 1024 times it is a
         float16 (what the tensor-core GEMV's exact conversion needs; real
         weights' scales are far smaller). Computed once, on first use."""
+        if self.kind.grid:
+            return False
         return bool(block_scales(self).abs().max() < 64) if self.cols else True
 
     def select_rows(self, index: torch.Tensor) -> WordPlanes:
@@ -184,6 +218,8 @@ class WordPlanes:
             raise ValueError(f"word planes hold a 2-D weight, got shape {qt.shape}")
         if WORD_TYPES[qt.qtype].unit_min is not None:
             return _chunk_planes(qt)
+        if WORD_TYPES[qt.qtype].grid:
+            return _grid_planes(qt)
         if qt.qtype in (T.Q8_0, T.Q4_0):
             code_bytes = 32 if qt.qtype == T.Q8_0 else 16
             blocks = qt.data.view(qt.rows, qt.cols // BLOCK, 2 + code_bytes)
@@ -247,6 +283,55 @@ def _chunk_planes(qt: QuantTensor) -> WordPlanes:
     return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, supers=supers)
 
 
+def _grid_planes(qt: QuantTensor) -> WordPlanes:
+    """IQ3_S, IQ2_XXS: index words, sign words, scales (the module's docstring)."""
+    rows, supers_per_row = qt.rows, qt.cols // SUPER
+    blocks = qt.data.reshape(rows, supers_per_row, block_format(qt.qtype).type_size)
+    d = blocks[..., 0:2].contiguous().view(torch.int16).int().squeeze(-1) & 0xFFFF
+    supers = d.t().contiguous()
+    if qt.qtype == T.IQ2_XXS:  # per chunk: 4 index bytes, then the sign and scale word
+        chunks = blocks[..., 2:].reshape(rows, -1, 2, 4)
+        quants = chunks[:, :, 0].contiguous().view(torch.int32).view(rows, -1)
+        high = chunks[:, :, 1].contiguous().view(torch.int32).view(rows, -1)
+        return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, supers=supers)
+    qs, qh, signs, scales = (blocks[..., a:b] for a, b in ((2, 66), (66, 74), (74, 106), (106, 110)))
+    quants = qs.contiguous().view(rows, -1).view(torch.int32)
+    high = signs.contiguous().view(rows, -1).view(torch.int32)
+    nibbles = torch.stack([scales & 0x0F, scales >> 4], dim=-1).reshape(rows, -1).to(torch.int16)
+    sub = qh.reshape(rows, -1).to(torch.int16) | (nibbles << 8)
+    return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, sub=sub.t().contiguous(), supers=supers)
+
+
+@functools.cache
+def grid_words(qtype: T, device: torch.device) -> torch.Tensor:
+    """int32: a grid type's codebook as words of 4 unsigned byte levels (IQ3_S: one word an index; IQ2_XXS:
+    two, weights 0..3 then 4..7), on ``device`` (made once)."""
+    levels = lookup_table(WORD_TYPES[qtype].grid, torch.device("cpu")).to(torch.uint8)
+    return levels.contiguous().view(torch.int32).reshape(-1).to(device)
+
+
+def _grid_weights(planes: WordPlanes) -> torch.Tensor:
+    """float32 ``[rows, cols]`` of a grid type: the products ``reference``
+    forms for the blocks, in its order (``db * level * sign``)."""
+    rows, chunks = planes.rows, planes.cols // BLOCK
+    index = planes.quants.contiguous().view(torch.uint8).view(rows, chunks, -1).long()
+    d = (planes.supers.t() & 0xFFFF).to(torch.int16).view(torch.float16).float().repeat_interleave(8, dim=1)
+    word = planes.high.int()  # [rows, chunks]
+    if planes.qtype == T.IQ3_S:
+        sub = planes.sub.t().int()
+        index = index | (((sub[..., None] >> torch.arange(8, device=sub.device)) & 1) << 8).long()
+        db = d * (1 + 2 * ((sub >> 8) & 0xF)).float()
+        sign_bits = (word[..., None] >> torch.arange(32, device=word.device)) & 1  # [rows, chunks, 32]
+    else:
+        db = d * (0.5 + ((word >> 28) & 0xF).float()) * 0.25
+        shifts = torch.arange(8, device=word.device)
+        pattern = lookup_table("ksigns", word.device).int()[((word[..., None] >> (7 * shifts[:4])) & 0x7F).long()]
+        sign_bits = ((pattern[..., None] >> shifts) & 1).reshape(rows, chunks, 32)
+    levels = lookup_table(planes.kind.grid, word.device)[index].reshape(rows, chunks, 32)
+    signs = 1.0 - 2.0 * sign_bits.float()
+    return (db[..., None] * levels * signs).reshape(rows, planes.cols)
+
+
 def _codes(planes: WordPlanes) -> torch.Tensor:
     """int32 ``[rows, cols / 32, 32]``: each weight's code (Q6_K's less 32)."""
     rows, chunks = planes.rows, planes.cols // BLOCK
@@ -270,6 +355,8 @@ def _codes(planes: WordPlanes) -> torch.Tensor:
 def block_scales(planes: WordPlanes) -> torch.Tensor:
     """float32 ``[rows, cols / 16]``: the scale of each 16 weights, as the
     tensor-core GEMV rounds it to float16 (``d x`` the integer scale)."""
+    if planes.kind.grid:
+        raise ValueError(f"{planes.qtype.name} has no tensor-core GEMV (its weights are looked up in a grid)")
     if planes.scales is not None:
         return planes.scales.t().float().repeat_interleave(2, dim=1)
     if planes.kind.unit_min is not None:
@@ -288,6 +375,8 @@ def dequantize_planes(planes: WordPlanes) -> torch.Tensor:
     """float32 ``[rows, cols]``: the torch reference of the layout (equal to
     the blocks' dequantization, bit for bit: the same products in the same
     order as ``gguf.quants``)."""
+    if planes.kind.grid:
+        return _grid_weights(planes)
     rows, chunks = planes.rows, planes.cols // BLOCK
     codes = _codes(planes)
     if planes.scales is not None:

@@ -180,12 +180,12 @@ def _iq4_lookup(index, bank0, bank1, BANK: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _iq4_values(q, bank0, bank1, USE_ASM: tl.constexpr):
+def _iq4_values(q, bank0, bank1, fours, USE_ASM: tl.constexpr):
     """IQ4's codebook values of a word of 8 nibble indices, as two words of
     signed bytes in the nibbles' order: nibbles 0..3 (the low and high
     nibble of bytes 0 and 1), then 4..7 (x's IQ4 planes pair to match)."""
     index = q & 0x77777777
-    bank = 0x32103210 | ((q >> 1) & 0x44444444)  # nibble k: k, or k + 4 (the high bank) where its index >= 8
+    bank = 0x32103210 | ((q >> 1) & fours)  # nibble k: k, or k + 4 (the high bank) where its index >= 8
     first = _prmt(_iq4_lookup(index, bank0, bank1, 0, USE_ASM), _iq4_lookup(index, bank0, bank1, 1, USE_ASM),
                   bank, USE_ASM)
     index = index >> 16
@@ -250,11 +250,12 @@ def _gemv_superblock_kernel(
     # which would keep a constant in a uniform register and copy it out at every use
     bank0 = (-1079142271 + (n_safe >> 30))[:, None, None]
     bank1 = (639175937 + (n_safe >> 30))[:, None, None]
+    fours = (0x44444444 + (n_safe >> 30))[:, None, None]  # the banks' bit of each nibble (a second constant)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_C), dtype=tl.float32)
     for c0 in range(c_start, c_stop, BLOCK_C):
         q = tl.load(quants + q_off + c0 * 4)
         if KIND == 5:
-            low, high = _iq4_values(q, bank0, bank1, USE_ASM)
+            low, high = _iq4_values(q, bank0, bank1, fours, USE_ASM)
         else:
             low, high = _superblock_words(q, high_words, h_off + c0 * HIGH, j, KIND)
         x_at = xw + x_off + c0 * 16
@@ -341,8 +342,8 @@ def prepare(x: torch.Tensor, planes: WordPlanes) -> tuple[torch.Tensor, torch.Te
 def _block_c(chunks: int, block_c: int, superblocks: bool, grid_type: bool = False) -> int:
     """The launch plan's chunk tile, or the largest power of two below it
     that divides a row's chunks (K = 640 in Q4_0 is 20 chunks: tiles of 4);
-    a superblock type's rows are always whole tiles of 8 (a grid type's
-    tiles of 32-weight chunks divide a superblock's 8)."""
+    a superblock type's tiles are whole superblocks of 8 chunks (a grid
+    type's tiles of 32-weight chunks divide a superblock's 8)."""
     if grid_type:
         if 8 % block_c:
             raise ValueError(f"a grid type's tile divides a superblock's 8 chunks, got {block_c}")
@@ -350,6 +351,8 @@ def _block_c(chunks: int, block_c: int, superblocks: bool, grid_type: bool = Fal
     if superblocks:
         if block_c % 8:
             raise ValueError(f"a superblock type's tile is whole superblocks of 8 chunks, got {block_c}")
+        while chunks % block_c:  # rows are whole superblocks: 8 divides them
+            block_c //= 2
         return block_c
     while chunks % block_c:
         block_c //= 2

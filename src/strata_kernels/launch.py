@@ -76,11 +76,14 @@ def gemv_words_settings(m: int) -> Launch:
     bytes of a row (a chunk of 4 words) and holds its partial sums; a CTA
     covers BLOCK_N rows by BLOCK_K chunks per iteration. At one row of x, 32
     rows a CTA halve the loop's instructions per byte against 16
-    (``bench/bandwidth_check.py``: Q8_0 61 against 107 a KiB on sm_90); more
-    rows of x keep 16, their products already filling the registers."""
+    (``bench/bandwidth_check.py``: Q8_0 61 against 107 a KiB on sm_90), and
+    16 chunks a row an iteration take 10-20% fewer than 8 (the loop's own
+    work and the scales' addresses shared: Q4_K 112 against 101, Q8_0 61
+    against 49); more rows of x keep 16 rows and 8 chunks, their products
+    already filling the registers."""
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"the GEMV path takes 1 to {GEMV_MAX_M} rows, got {m}")
-    return Launch(_pow2_at_least(m), 32 if m == 1 else 16, 8, 4)
+    return Launch(_pow2_at_least(m), 32 if m == 1 else 16, 16 if m == 1 else 8, 4)
 
 
 def split_k(n_tiles: int, chunks: int, block_c: int, sms: int, per_sm: int = 4) -> int:

@@ -33,14 +33,11 @@ KNOWN_DECODE_SPILLS = {
     ("_expert_gemv_kernel", "IQ1_M", "sm_90"): "24 bytes (bfloat16 activations), as above",
     ("_expert_gemv_kernel", "IQ1_S", "sm_90"): "8 bytes (float32 activations), as above",
     # Decode attention reads quantized rows as [rows, groups, group] tiles of int32 words, four or eight float16
-    # out of each; these configurations spill 8-40 bytes (k8v4 measured against 4 and 8 warps: it takes 8 where
-    # its tile is large), all but one with dtype="float32" activations on CUDA.
-    ("_attention_kernel", "f16 D=256 decode BLOCK_M=32 BLOCK_N=16 fp32", "sm_86"): "8 bytes, float32 queries",
-    ("_attention_kernel", "k8v4 D=128 decode BLOCK_M=16 BLOCK_N=64 fp32", "sm_90"):
-        "40 bytes, float32 queries (8 warps spill none but issue a third more instructions a KiB)",
+    # out of each; this configuration spills (the others, float32 queries among them, no longer do since a
+    # slot's block is a high multiply and a shift instead of a division).
     ("_attention_kernel", "int8 D=64 decode BLOCK_M=64 BLOCK_N=64 bf16", "sm_86"):
-        "12 bytes at 168 registers: 64 query heads a KV head (multi-query attention's widest tile), the words' "
-        "four outputs live together; the byte loads before spent 26% more instructions a KiB in every int8 loop",
+        "20 bytes: 64 query heads a KV head (multi-query attention's widest tile), the words' four outputs "
+        "live together; the byte loads before spent 26% more instructions a KiB in every int8 loop",
 }
 
 

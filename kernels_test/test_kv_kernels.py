@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 import torch
 from helpers import report_mismatch
 
@@ -310,6 +312,22 @@ def test_attention_reads_scattered_blocks_through_block_tables(fmt, float_dtype,
         a = kv_read(shared, torch.arange(first, n), seq_tables[i])
         b = kv_read(alone[i], torch.arange(first, n))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@given(d=st.integers(1, 2**31 - 1), x=st.integers(0, 2**31 - 1))
+@example(d=1, x=2**31 - 1)
+@example(d=3, x=2**31 - 1)
+@example(d=2**31 - 1, x=2**31 - 2)
+@example(d=641, x=641 * 3350575 - 1)
+def test_a_slot_s_block_is_a_multiply_and_a_shift(d, x):
+    """The attention kernel's division of a slot by the block size (any
+    size: a whole ring is one block) by a 32-bit high multiply and a shift:
+    exact for every slot below 2**31, ``magic`` an int32's bits."""
+    from strata_kernels.paging import divide_by_multiplying
+
+    magic, shift = divide_by_multiplying(d)
+    assert -2**31 <= magic < 2**31
+    assert (((2 * x) * (magic % 2**32)) >> 32) >> shift == x // d
 
 
 def test_block_tables_find_slots_and_merge_runs():

@@ -59,7 +59,7 @@ def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, 
 @triton.jit
 def _attention_kernel(
     q, k, v, k_scales, v_scales, table, table_lengths, starts, part_acc, part_ml,
-    T, HKV, G, table_stride, block_size, splits, slots_per_split, window, scale,
+    T, HKV, G, table_stride, block_size, block_magic, block_shift, splits, slots_per_split, window, scale,
     D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     # q:        [B, T, HKV * G, D] float queries; sequence b's at positions starts[b]..starts[b]+T-1
@@ -74,7 +74,8 @@ def _attention_kernel(
     #           group) pairs of one KV head; split s scans logical slots [s * slots_per_split,
     #           (s+1) * slots_per_split) of its sequence (none, past a shorter sequence's end)
     # Positions, slots and rows are int32 (a context is < 2^31 positions); an element's offset is int64
-    # from its slot's row on (a store may hold more than 2^31 elements).
+    # from its slot's row on (a store may hold more than 2^31 elements). A slot's block is a multiply by
+    # block_magic and a shift by block_shift (paging.divide_by_multiplying), not a division.
     pr = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.program_id(2) // splits
@@ -115,7 +116,10 @@ def _attention_kernel(
         slot_ok = slots < hi
         safe = tl.where(slot_ok, slots, 0)
         k_pos = (end - 1) - (newest - safe) - tl.where(safe > newest, capacity, 0)
-        physical = tl.load(blocks + safe // block_size) * block_size + safe % block_size
+        # safe // block_size by a high multiply and a shift (paging.divide_by_multiplying)
+        block = (tl.umulhi((safe * 2).to(tl.uint32, bitcast=True), block_magic.to(tl.uint32, bitcast=True))
+                 >> block_shift).to(tl.int32, bitcast=True)
+        physical = tl.load(blocks + block) * block_size + (safe - block * block_size)
         keys = _kv_tile(k, k_scales, physical, kvh, HKV, D, FMT, False, BLOCK_N, operand, USE_ASM)
         s = tl.dot(qs, tl.trans(keys))
         allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
@@ -203,7 +207,7 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
         table, tables.lengths.to(q.device),
         starts_on_device if starts_on_device is not None else torch.tensor(starts, dtype=torch.int64, device=q.device),
         part_acc, part_ml,
-        t, hkv, g, table.shape[1], tables.block_size, splits, per_split, window or 0, scale,
+        t, hkv, g, table.shape[1], tables.block_size, *tables.division, splits, per_split, window or 0, scale,
         **{**c, "USE_ASM": q.is_cuda}, num_warps=launch.num_warps,
     )
     out = torch.empty((b, t, h, d), dtype=torch.float32, device=q.device)

@@ -32,11 +32,10 @@ from .word_planes import BLOCK, WordPlanes, grid_words
 
 
 @triton.jit
-def _signed(levels, nibble):
+def _signed(levels, ones):
     """A word of 4 unsigned levels (each at least 1) with byte ``e`` negated
-    where bit ``e`` of ``nibble`` is set: ``(levels ^ 0xFF) + 1`` per byte,
-    which never carries out of its byte."""
-    ones = (nibble * 0x00204081) & 0x01010101  # bit e of the nibble to bit 0 of byte e
+    where bit 0 of byte ``e`` of ``ones`` is set (its other bits clear):
+    ``(levels ^ 0xFF) + 1`` per byte, which never carries out of its byte."""
     return (levels ^ (ones * 255)) + ones
 
 
@@ -71,16 +70,17 @@ def _level_words(quants, grid, q_row, c, h, j, s, w, KIND: tl.constexpr, USE_ASM
     if KIND == 0:  # IQ3_S: 2 index words a chunk; index k = w of the chunk, its ninth bit in sub
         k = 4 * h + j
         q = tl.load(quants + q_row * 2 + c * 2 + h)  # [N, C, 2, 1]
-        index = ((q >> (8 * j)) & 0xFF) | (((s >> k) & 1) << 8)
+        index = ((q >> (8 * j)) & 0xFF) | ((s >> k) & 0x100)  # the ninth bit: bit 8 + k of sub
         levels = _lookup(grid, index, USE_ASM)
-        return _signed(levels, (w >> (4 * k)) & 0xF)
+        return _signed(levels, (w >> k) & 0x01010101)  # the sign word's bit 8e + k: weight 4k + e
     k = 2 * h + j // 2  # IQ2_XXS: one index word a chunk; index k covers words 2k, 2k + 1
     q = tl.load(quants + q_row + c)  # [N, C, 1, 1]
     index = (q >> (8 * k)) & 0xFF
     levels = _lookup(grid, index * 2 + (j % 2), USE_ASM)
     seven = (w >> (7 * k)) & 0x7F
     eight = seven | ((_parity7(seven, USE_ASM) & 1) << 7)
-    return _signed(levels, (eight >> (4 * (j % 2))) & 0xF)
+    nibble = (eight >> (4 * (j % 2))) & 0xF
+    return _signed(levels, (nibble * 0x00204081) & 0x01010101)  # bit e of the nibble to bit 0 of byte e
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def _odd_scale(s, w, KIND: tl.constexpr):
     sub word ``s``, IQ2_XXS from its high word ``w``: GGUF's ``0.5 + scale``
     doubled)."""
     if KIND == 0:
-        return 2 * ((s >> 8) & 0xF) + 1
+        return 2 * (s & 0xF) + 1
     return 2 * ((w >> 28) & 0xF) + 1
 
 

@@ -63,6 +63,11 @@ class BlockTables:
         """Sequence ``b``'s table alone."""
         return BlockTables((self.blocks[b],), self.block_size, self.device)
 
+    @property
+    def division(self) -> tuple[int, int]:
+        """``(magic, shift)`` that divide a slot by ``block_size`` (``divide_by_multiplying``)."""
+        return divide_by_multiplying(self.block_size)
+
     def capacity(self, b: int = 0) -> int:
         """Slots in sequence ``b``'s ring: positions further back are overwritten."""
         return len(self.blocks[b]) * self.block_size
@@ -97,3 +102,20 @@ class BlockTables:
                 runs.append((pos, slot, n))
             pos += n
         return runs
+
+
+@lru_cache(maxsize=64)
+def divide_by_multiplying(d: int) -> tuple[int, int]:
+    """``(magic, shift)`` with ``(((2 * x) * magic) >> 32) >> shift == x //
+    d`` for every ``0 <= x < 2**31``: a 32-bit high multiply and a shift
+    (Granlund and Montgomery: ``magic = ceil(2**(31 + shift) / d)``,
+    ``shift = ceil(log2 d)``, so that ``magic * d - 2**(31 + shift) < d <=
+    2**shift``; ``2**31 <= magic < 2**32``). A GPU kernel divides by a
+    runtime divisor in some 20 instructions. ``magic`` is returned as the
+    int32 of its bits (one compiled form for every block size: Triton types
+    an argument by its value)."""
+    if d < 1:
+        raise ValueError(f"a divisor is at least 1, got {d}")
+    shift = (d - 1).bit_length()
+    magic = -(-(1 << (31 + shift)) // d)
+    return magic - (1 << 32) if magic >= 1 << 31 else magic, shift

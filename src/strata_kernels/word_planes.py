@@ -40,9 +40,12 @@ signed-byte levels per word) and applies its sign bits:
 
 - IQ3_S: ``quants`` ``[rows, cols / 16]``, a chunk's 8 index bytes in 2
   words (index ``k``: weights ``4k..4k+3``); ``high`` ``[rows, cols / 32]``,
-  the chunk's sign word (bit ``b``: weight ``b`` negative); ``sub`` the
-  index's ninth bits (bit ``k`` of the low byte) and the 4-bit scale in the
-  high byte; a weight is ``d * (1 + 2 scale) * level * sign``.
+  the chunk's sign word, bit ``8e + k`` the sign of weight ``4k + e`` (so
+  that ``(word >> k) & 0x01010101`` puts a level word's 4 signs at bit 0 of
+  its bytes; GGUF's bit ``b`` is weight ``b``'s); ``sub`` the
+  index's ninth bits in the high byte (index ``k``'s at bit ``8 + k``: where
+  ``sub >> k`` meets the index) and the 4-bit scale in the low one; a
+  weight is ``d * (1 + 2 scale) * level * sign``.
 - IQ2_XXS: ``quants`` ``[rows, cols / 32]``, a chunk's 4 index bytes
   (index ``k``: weights ``8k..8k+7``); ``high`` the chunk's GGUF sign word
   as it is (four 7-bit sign indices, bit 7 of each the parity of the
@@ -296,9 +299,12 @@ def _grid_planes(qt: QuantTensor) -> WordPlanes:
         return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, supers=supers)
     qs, qh, signs, scales = (blocks[..., a:b] for a, b in ((2, 66), (66, 74), (74, 106), (106, 110)))
     quants = qs.contiguous().view(rows, -1).view(torch.int32)
-    high = signs.contiguous().view(rows, -1).view(torch.int32)
+    weight_bits = (signs.reshape(rows, -1, 4, 1).int() >> torch.arange(8, device=signs.device)) & 1
+    weight_bits = weight_bits.reshape(rows, -1, 8, 4).long()  # [row, chunk, level word k, byte e]
+    at = 8 * torch.arange(4, device=signs.device) + torch.arange(8, device=signs.device)[:, None]  # bit 8e + k
+    high = (weight_bits << at).sum(dim=(2, 3)).to(torch.int32)  # distinct bits: the sum is their or
     nibbles = torch.stack([scales & 0x0F, scales >> 4], dim=-1).reshape(rows, -1).to(torch.int16)
-    sub = qh.reshape(rows, -1).to(torch.int16) | (nibbles << 8)
+    sub = (qh.reshape(rows, -1).to(torch.int16) << 8) | nibbles  # (bit 15 set: a negative int16)
     return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, sub=sub.t().contiguous(), supers=supers)
 
 
@@ -319,9 +325,10 @@ def _grid_weights(planes: WordPlanes) -> torch.Tensor:
     word = planes.high.int()  # [rows, chunks]
     if planes.qtype == T.IQ3_S:
         sub = planes.sub.t().int()
-        index = index | (((sub[..., None] >> torch.arange(8, device=sub.device)) & 1) << 8).long()
-        db = d * (1 + 2 * ((sub >> 8) & 0xF)).float()
-        sign_bits = (word[..., None] >> torch.arange(32, device=word.device)) & 1  # [rows, chunks, 32]
+        index = index | ((sub[..., None] >> torch.arange(8, device=sub.device)) & 0x100).long()
+        db = d * (1 + 2 * (sub & 0xF)).float()
+        i = torch.arange(32, device=word.device)
+        sign_bits = (word[..., None] >> (8 * (i % 4) + i // 4)) & 1  # [rows, chunks, 32]: weight 4k + e at 8e + k
     else:
         db = d * (0.5 + ((word >> 28) & 0xF).float()) * 0.25
         shifts = torch.arange(8, device=word.device)

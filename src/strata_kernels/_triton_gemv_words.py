@@ -16,7 +16,8 @@ sub-block scales and a superblock's d, their high-bit words, IQ4's codebook
 by ``prmt``) and for Q4_1, Q5_0, Q5_1 (superblocks of one chunk). Both
 take groups (expert, rows of x) so that a mixture's routed rows run in one
 launch (``gemv_words_grouped``); a plain weight is one group. At 2-8 rows the tensor-core GEMV (``_triton_gemv_mma``) takes
-the types it converts.
+the types it converts. The grid types (IQ3_S, IQ2_XXS) run ``_triton_gemv_grid``'s
+kernel through the same launch (``_launch``), their chunks of 32 weights.
 
 ``USE_ASM`` (a constexpr) picks ``dp2a`` and ``prmt`` through inline PTX, or
 the same integer arithmetic in plain Triton, which the interpreter runs: the

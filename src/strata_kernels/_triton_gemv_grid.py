@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_gemv_words import _dp2a, _dp2a_first, _group, _new_out
+from ._triton_gemv_common import _dp2a, _dp2a_first, _group, _new_out
 from .launch_plans import grid_dequant_launch
 from .word_planes import BLOCK, WordPlanes, grid_words
 

@@ -32,60 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_gemv_common import _dp2a, _dp2a_first, _group, _new_out
 from .launch import GEMV_MAX_M, split_k
 from .launch_plans import gemv_words_launch
 from .word_planes import BLOCK, WordPlanes, pairing_of
 
 WORDS_PER_THREAD = 4  # 16 bytes: one load per thread
-
-
-@triton.jit
-def _dp2a(a, b, c, HI: tl.constexpr, USE_ASM: tl.constexpr):
-    """``c`` plus the products of ``a``'s two signed 16-bit halves with ``b``'s
-    signed bytes 0 and 1 (``HI``: bytes 2 and 3), in int32."""
-    if USE_ASM:
-        if HI:
-            return tl.inline_asm_elementwise("dp2a.hi.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise("dp2a.lo.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    a0 = (a << 16) >> 16
-    a1 = a >> 16
-    if HI:
-        b0 = (b << 8) >> 24
-        b1 = b >> 24
-    else:
-        b0 = (b << 24) >> 24
-        b1 = (b << 16) >> 24
-    return c + a0 * b0 + a1 * b1
-
-
-@triton.jit
-def _dp2a_first(a, b, HI: tl.constexpr, USE_ASM: tl.constexpr):
-    """``_dp2a`` onto zero (an immediate: no register zeroed for it)."""
-    if USE_ASM:
-        if HI:
-            return tl.inline_asm_elementwise("dp2a.hi.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise("dp2a.lo.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    return _dp2a(a, b, 0, HI, False)
-
-
-@triton.jit
-def _group(groups, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's rows of its group's expert ``n`` (in range: ``n_in``;
-    clamped: ``n_safe``), the expert's first plane row ``row0``, and its rows
-    of x: ``first + m``, of which ``m_in`` are the group's (x holds BLOCK_M
-    rows past the last group's, zeros: loads need no mask)."""
-    g = tl.program_id(2)
-    row0 = tl.load(groups + 3 * g) * N
-    first = tl.load(groups + 3 * g + 1)
-    count = tl.load(groups + 3 * g + 2)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = n < N
-    m = tl.arange(0, BLOCK_M)
-    return n, n_in, tl.where(n_in, n, 0), row0, first, m, m < count
 
 
 @triton.jit
@@ -385,11 +337,6 @@ def gemv_words_grouped(x: torch.Tensor, planes: WordPlanes, n_experts: int, runs
     rows = max(count for _, _, count in runs)
     groups = torch.tensor(runs, dtype=torch.int32).to(x.device, non_blocking=True)
     return _launch(x, planes, planes.rows // n_experts, groups, len(runs), rows, splits, use_asm, None, tiles)
-
-
-def _new_out(splits: int, m: int, n: int, n_groups: int, device: torch.device) -> torch.Tensor:
-    """The splits' partial sums ``[splits, m, n]`` (zeros for groups: rows of x in no group stay zero)."""
-    return (torch.empty if n_groups == 1 else torch.zeros)((splits, m, n), dtype=torch.float32, device=device)
 
 
 @functools.cache

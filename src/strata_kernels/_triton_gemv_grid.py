@@ -67,7 +67,7 @@ def _level_words(quants, grid, q_row, c, h, j, s, w, KIND: tl.constexpr, USE_ASM
     1, 1]`` of the rows whose offset in chunks is ``q_row`` ``[N, 1, 1, 1]``,
     from each chunk's high word ``w`` ``[N, C, 1, 1]`` (IQ3_S's sign word,
     IQ2_XXS's sign and scale word) and IQ3_S's sub word ``s`` (the same shape)."""
-    if KIND == 0:  # IQ3_S: 2 index words a chunk; index k = w of the chunk, its ninth bit in sub
+    if KIND == 0:  # IQ3_S: 2 index words a chunk; level word k draws on index k, its ninth bit in sub
         k = 4 * h + j
         q = tl.load(quants + q_row * 2 + c * 2 + h)  # [N, C, 2, 1]
         index = ((q >> (8 * j)) & 0xFF) | ((s >> k) & 0x100)  # the ninth bit: bit 8 + k of sub

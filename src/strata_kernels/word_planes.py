@@ -36,7 +36,7 @@ and its sub-block scales.
 
 IQ3_S and IQ2_XXS (the *grid types*) keep their codebook indices as
 words; a kernel looks each index up in the type's grid (``grid_words``: 4
-signed-byte levels per word) and applies its sign bits:
+unsigned byte levels per word) and applies its sign bits:
 
 - IQ3_S: ``quants`` ``[rows, cols / 16]``, a chunk's 8 index bytes in 2
   words (index ``k``: weights ``4k..4k+3``); ``high`` ``[rows, cols / 32]``,

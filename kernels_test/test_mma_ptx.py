@@ -161,17 +161,22 @@ def test_the_interpreter_reads_prmt_as_ptx_defines_it():
     assert run_ptx("{ mov.b32 t, 0x64646464; prmt.b32 $0, $1, t, 0x5140; }", {1: np.uint64(0x0201)}, 1)[0] == 0x64026401
 
 
-def test_int8_words_become_their_bytes_as_float16():
-    """The attention's int8 KV conversion: each of a word's four signed
-    bytes, byte 0 first, exactly (every byte value in every position)."""
+@pytest.mark.parametrize("biased", [False, True], ids=["values", "keys"])
+def test_int8_words_become_their_bytes_as_float16(biased):
+    """The attention's int8 KV conversions: each of a word's four signed
+    bytes, byte 0 first, exactly (every byte value in every position); the
+    keys' form leaves KEY_BIAS (1152) on each, which the kernel takes from
+    the scores at once."""
+    from strata_kernels._triton_attention import KEY_BIAS, WORD_BYTES_BIASED
     from strata_kernels._triton_convert import WORD_BYTES
 
     rng = np.random.default_rng(5)
     data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096, dtype=np.uint8)])
     words = data.view(np.uint32).astype(np.uint64)
-    out = run_ptx(WORD_BYTES.value, {4: words}, 4)
+    out = run_ptx((WORD_BYTES_BIASED if biased else WORD_BYTES).value, {4: words}, 4)
     got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1).reshape(-1)
-    assert np.array_equal(got, data.view(np.int8).astype(np.float16))
+    offset = KEY_BIAS.value if biased else 0
+    assert np.array_equal(got.astype(np.float32), data.view(np.int8).astype(np.float32) + offset)
 
 
 def test_k8v4_value_words_become_their_levels_as_float16():

@@ -16,66 +16,112 @@ from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
 
 
+# An int32 word of four signed bytes in $4 -> 1024 + 128 + each byte as float16 in $0..$3, byte 0 first
+# (bytes_to_f16 less its subtraction: a key's offset is taken from the score once, see below).
+WORD_BYTES_BIASED = tl.constexpr("""{
+    .reg .b32 u, lo, hi;
+    xor.b32 u, $4, 0x80808080;
+    prmt.b32 lo, u, 0x64646464, 0x5140;
+    prmt.b32 hi, u, 0x64646464, 0x7362;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
+    }""")
+KEY_BIAS = tl.constexpr(1152.0)  # what WORD_BYTES_BIASED adds to a code
+
+
 @triton.jit
-def _kv_tile(data, scales, slots, kvh, HKV, D: tl.constexpr, FMT: tl.constexpr, IS_V: tl.constexpr,
-             BLOCK_N: tl.constexpr, operand: tl.constexpr, USE_ASM: tl.constexpr):
-    """``[BLOCK_N, D]`` of one KV head at ``slots`` ``[BLOCK_N]``, in the
-    products' ``operand`` dtype. Quantized formats are read as whole rows of
-    codes as int32 words (16 bytes a load), each word converted into the
-    float16 values it holds, in order, and scaled in a tile ``[BLOCK_N,
-    groups, group]`` that meets each group's scale."""
-    row = (slots * HKV + kvh).to(tl.int64)
-    # One branch each (compile-time): a head dim under 64 never meets the quantized formats' groups.
-    if FMT == 0:
-        d = tl.arange(0, D)
-        tile = tl.load(data + row[:, None] * D + d[None, :]).to(operand)
-    elif FMT == 2 and IS_V:  # k8v4 values: two 4-bit codes a byte (value 2i low, 2i + 1 high), a scale per 32
-        BLOCKS: tl.constexpr = D // 32
-        b = tl.arange(0, BLOCKS)
-        w = tl.arange(0, 4)
-        # Whole words, eight float16 levels out of each, joined in registers in code order (the joins' new
-        # dimensions come out bit-reversed: value 4i + 2j + k at [.., i, j, k] takes leaf 4k + 2j + i)
-        words = tl.load(data.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (D // 8) + b[None, :, None] * 4
-                        + w[None, None, :])
-        v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_to_f16(words, USE_ASM)
-        levels = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
-                         tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(BLOCK_N, BLOCKS, 32)
-        scale = tl.load(scales + row[:, None] * BLOCKS + b[None, :])
-        tile = (levels * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
+def _exp2(x, USE_ASM: tl.constexpr):
+    """2^x, flushing results below 2^-126 to zero (``ex2.approx.ftz``: no
+    range fix-up around the instruction, as ``tl.exp2`` has)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.exp2(x)
+
+
+@triton.jit
+def _columns(tile, N: tl.constexpr, C: tl.constexpr):
+    """The ``C`` columns of ``tile`` ``[N, C]`` (a power of two) as a tuple
+    of ``[N]`` vectors, by halving it in registers."""
+    if C == 1:
+        return (tile.reshape(N),)
     else:
-        G: tl.constexpr = D // 64  # int8 keys (and values): a scale per 64
-        g = tl.arange(0, G)
-        w = tl.arange(0, 16)
-        # Whole words (16 bytes a load), four float16 out of each, joined in registers in byte order
-        words = tl.load(data.to(tl.pointer_type(tl.int32)) + row[:, None, None] * (D // 4) + g[None, :, None] * 16
-                        + w[None, None, :])
+        even, odd = tl.split(tile.reshape(N, C // 2, 2))
+        a = _columns(even, N, C // 2)
+        b = _columns(odd, N, C // 2)
+        out = ()
+        for i in tl.static_range(C // 2):
+            out = out + (a[i], b[i])
+        return out
+
+
+@triton.jit
+def _group_tile(data, rows, g, D: tl.constexpr, KEYS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Group ``g`` (64 values) of the int8 KV rows ``rows`` ``[BLOCK_N]``
+    (int64) as float16 ``[BLOCK_N, 64]`` in order, read as whole int32
+    words (16 bytes a load): ``KEYS``, each code + KEY_BIAS; else exact."""
+    w = tl.arange(0, 16)
+    words = tl.load(data.to(tl.pointer_type(tl.int32)) + rows[:, None] * (D // 4) + g * 16 + w[None, :])
+    if KEYS and USE_ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_BYTES_BIASED, "=h,=h,=h,=h,r", [words],
+                                                   dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
         b0, b1, b2, b3 = word_bytes_to_f16(words, USE_ASM)
-        values = tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(BLOCK_N, G, 64)  # [.., j, a]: byte 2j + a
-        scale = tl.load(scales + row[:, None] * G + g[None, :])
-        tile = (values * scale[:, :, None]).reshape(BLOCK_N, D).to(operand)
-    return tile
+        if KEYS:
+            b0, b1, b2, b3 = b0 + KEY_BIAS, b1 + KEY_BIAS, b2 + KEY_BIAS, b3 + KEY_BIAS
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(rows.shape[0], 64)  # [.., j, a]: byte 2j + a
+
+
+@triton.jit
+def _k8v4_values(v, v_scales, rows, D: tl.constexpr, USE_ASM: tl.constexpr):
+    """k8v4 values of the rows ``rows`` ``[BLOCK_N]`` (int64) as float16
+    ``[BLOCK_N, D]``: whole words (16 bytes a load), eight IQ4_NL levels out
+    of each, times their block's scale (one per 32)."""
+    B: tl.constexpr = D // 32
+    b = tl.arange(0, B)
+    w = tl.arange(0, 4)
+    words = tl.load(v.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (D // 8) + b[None, :, None] * 4
+                    + w[None, None, :])
+    # joined in registers in code order (the joins' new dimensions come out bit-reversed: value 4i + 2j + k
+    # at [.., i, j, k] takes leaf 4k + 2j + i)
+    v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_to_f16(words, USE_ASM)
+    levels = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                     tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(rows.shape[0], B, 32)
+    scale = tl.load(v_scales + rows[:, None] * B + b[None, :])
+    return (levels * scale[:, :, None]).reshape(rows.shape[0], D)
 
 
 @triton.jit
 def _attention_kernel(
     q, k, v, k_scales, v_scales, table, table_lengths, starts, part_acc, part_ml,
     T, HKV, G, table_stride, block_size, block_magic, block_shift, splits, slots_per_split, window, scale,
-    D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+    D: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_QUERY: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     # q:        [B, T, HKV * G, D] float queries; sequence b's at positions starts[b]..starts[b]+T-1
-    # k, v:     cache of one layer, [slots, HKV, D] (f16/int8) or [slots, HKV, D // 2] (k8v4 values)
+    # k, v:     cache of one layer, [slots, HKV, D] (f16/int8) or [slots, HKV, D // 2] (k8v4 values);
+    #           k_scales, v_scales [slots, HKV, D // 64] (k8v4 values: D // 32) float16
     # table:    [B, table_stride] int32, each sequence's blocks (table_lengths[b] of them): its
     #           position p lives in its ring's logical slot p % capacity (capacity = table_lengths[b]
     #           * block_size), which is store slot table[b, ls // block_size] * block_size
     #           + ls % block_size; n_slots = min(capacity, start + T) logical slots are filled
     # part_acc: [B, splits, HKV, T * G, D] float32 unnormalised outputs of each split
-    # part_ml:  [B, splits, HKV, T * G, 2] float32 running max and sum of each split
+    # part_ml:  [B, splits, HKV, T * G, 2] float32 running max (natural log units) and sum of each split
     # grid:     (cdiv(T * G, BLOCK_M), HKV, B * splits); rows r = t * G + g are (query token, head in
     #           group) pairs of one KV head; split s scans logical slots [s * slots_per_split,
     #           (s+1) * slots_per_split) of its sequence (none, past a shorter sequence's end)
+    # ONE_QUERY (T == 1): every row sees the same positions, so a slot's mask is a vector, added to the
+    # scores by the products themselves; otherwise each (row, slot) is masked.
     # Positions, slots and rows are int32 (a context is < 2^31 positions); an element's offset is int64
     # from its slot's row on (a store may hold more than 2^31 elements). A slot's block is a multiply by
     # block_magic and a shift by block_shift (paging.divide_by_multiplying), not a division.
+    #
+    # Quantized keys keep each group's scale out of the tiles: a key group's dot with the queries is
+    # scaled once per score (sum over groups of s_g * scale_g), its codes' offset (KEY_BIAS) taken away by
+    # starting the dot at -KEY_BIAS * the group's query sum. An int8 value group's scale multiplies the
+    # probabilities that meet it (one accumulator per group); k8v4's values are scaled in the tile (a
+    # group of 32 there: splitting the tile per group made its loads narrower and cost more than it
+    # saved). Scores are in log2 units (log2(e) folded into the queries' scale).
     pr = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.program_id(2) // splits
@@ -87,7 +133,6 @@ def _attention_kernel(
     row_ok = r < T * G
     t = r // G
     head = kvh * G + r % G
-    d = tl.arange(0, D)
     # Products on the tensor cores, 16-bit operands and float32 sums, in the
     # cache's own type: a float16 (or bfloat16) cache is read as stored, with
     # no conversion per element; quantized ones dequantize to float16 (3 more
@@ -98,9 +143,22 @@ def _attention_kernel(
         operand = tl.bfloat16
     else:
         operand = tl.float16
-    qs = tl.load(q + ((seq * T + t) * HKV * G + head).to(tl.int64)[:, None] * D + d[None, :], mask=row_ok[:, None],
-                 other=0.0).to(tl.float32)
-    qs = (qs * scale).to(operand)
+    KG: tl.constexpr = 1 if FMT == 0 else D // 64  # key groups (a scale each)
+    KW: tl.constexpr = D // KG  # a key group's values
+    VG: tl.constexpr = D // 64 if FMT == 1 else 1  # value groups
+    VW: tl.constexpr = D // VG
+    q_row = ((seq * T + t) * HKV * G + head).to(tl.int64)
+    kd = tl.arange(0, KW)
+    queries = ()
+    starts_at = ()  # each key group's dot starts here: minus its offset's share (quantized), else 0
+    for g in tl.static_range(KG):
+        qg = tl.load(q + q_row[:, None] * D + g * KW + kd[None, :], mask=row_ok[:, None], other=0.0)
+        qg = (qg.to(tl.float32) * (scale * 1.4426950408889634)).to(operand)
+        queries = queries + (qg,)
+        if FMT == 0:
+            starts_at = starts_at + (tl.zeros((BLOCK_M,), tl.float32),)
+        else:
+            starts_at = starts_at + (-(tl.sum(qg.to(tl.float32), axis=1) * KEY_BIAS),)
     q_pos = start + t
     end = start + T
     n_slots = tl.minimum(capacity, end)
@@ -108,7 +166,9 @@ def _attention_kernel(
     newest = (end - 1) % capacity
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    accs = ()
+    for g in tl.static_range(VG):
+        accs = accs + (tl.zeros((BLOCK_M, VW), tl.float32),)
     lo = sp * slots_per_split
     hi = tl.minimum(lo + slots_per_split, n_slots)
     for n0 in range(lo, hi, BLOCK_N):
@@ -120,22 +180,52 @@ def _attention_kernel(
         block = (tl.umulhi((safe * 2).to(tl.uint32, bitcast=True), block_magic.to(tl.uint32, bitcast=True))
                  >> block_shift).to(tl.int32, bitcast=True)
         physical = tl.load(blocks + block) * block_size + (safe - block * block_size)
-        keys = _kv_tile(k, k_scales, physical, kvh, HKV, D, FMT, False, BLOCK_N, operand, USE_ASM)
-        s = tl.dot(qs, tl.trans(keys))
-        allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
-        allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
-        s = tl.where(allowed, s, float("-inf"))
+        rows = (physical * HKV + kvh).to(tl.int64)
+        if ONE_QUERY:  # the slot's mask, added to its scores (0 or -inf)
+            seen = slot_ok & (k_pos >= 0) & ((window <= 0) | (end - 1 - k_pos < window))
+            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + tl.where(seen, 0.0, float("-inf"))[None, :]
+        else:
+            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if FMT == 0:
+            d = tl.arange(0, D)
+            keys = tl.load(k + rows[:, None] * D + d[None, :]).to(operand)
+            s = tl.dot(queries[0], tl.trans(keys), s)
+        else:
+            k_scale = _columns(tl.load(k_scales + rows[:, None] * KG + tl.arange(0, KG)[None, :]).to(tl.float32),
+                               BLOCK_N, KG)
+            for g in tl.static_range(KG):
+                dot = tl.dot(queries[g], tl.trans(_group_tile(k, rows, g, D, True, USE_ASM)),
+                             tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + starts_at[g][:, None])
+                s += dot * k_scale[g][None, :]
+        if not ONE_QUERY:
+            allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+            allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        corr = tl.exp(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe))
+        p = _exp2(s - m_safe[:, None], USE_ASM)
+        corr = _exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe), USE_ASM)
         l_i = l_i * corr + tl.sum(p, axis=1)
-        values = _kv_tile(v, v_scales, physical, kvh, HKV, D, FMT, True, BLOCK_N, operand, USE_ASM)
-        acc = acc * corr[:, None] + tl.dot(p.to(operand), values)
         m_i = m_new
+        if FMT == 0:
+            d = tl.arange(0, D)
+            values = tl.load(v + rows[:, None] * D + d[None, :]).to(operand)
+            accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), values),)
+        elif FMT == 2:
+            accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), _k8v4_values(v, v_scales, rows, D, USE_ASM)),)
+        else:
+            p16 = p.to(operand)
+            v_scale = _columns(tl.load(v_scales + rows[:, None] * VG + tl.arange(0, VG)[None, :]), BLOCK_N, VG)
+            new = ()
+            for g in tl.static_range(VG):
+                tile = _group_tile(v, rows, g, D, False, USE_ASM)
+                new = new + (accs[g] * corr[:, None] + tl.dot(p16 * v_scale[g][None, :], tile),)
+            accs = new
     out_row = (((seq * splits + sp) * HKV + kvh) * T * G + r).to(tl.int64)
-    tl.store(part_acc + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ml + out_row * 2, m_i, mask=row_ok)
+    vd = tl.arange(0, VW)
+    for g in tl.static_range(VG):
+        tl.store(part_acc + out_row[:, None] * D + g * VW + vd[None, :], accs[g], mask=row_ok[:, None])
+    tl.store(part_ml + out_row * 2, m_i * 0.6931471805599453, mask=row_ok)
     tl.store(part_ml + out_row * 2 + 1, l_i, mask=row_ok)
 
 
@@ -208,7 +298,7 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
         starts_on_device if starts_on_device is not None else torch.tensor(starts, dtype=torch.int64, device=q.device),
         part_acc, part_ml,
         t, hkv, g, table.shape[1], tables.block_size, *tables.division, splits, per_split, window or 0, scale,
-        **{**c, "USE_ASM": q.is_cuda}, num_warps=launch.num_warps,
+        **{**c, "ONE_QUERY": t == 1, "USE_ASM": q.is_cuda}, num_warps=launch.num_warps,
     )
     out = torch.empty((b, t, h, d), dtype=torch.float32, device=q.device)
     merge = merge_launch(d)

@@ -220,7 +220,7 @@ def attention_launch(t: int, group: int, n_slots: int, head_dim: int, fmt: str, 
     if t == 1 and fmt == "k8v4":  # its values' levels and regrouped halves take twice the registers per tile
         warps = max(warps, min(8, s.block_m * head_dim // 512))
     return KernelLaunch(dict(D=head_dim, FMT=FORMAT_CODES[fmt], BLOCK_M=s.block_m, BLOCK_N=block_n,
-                             USE_ASM=True), warps), splits
+                             ONE_QUERY=t == 1, USE_ASM=True), warps), splits
 
 
 def merge_launch(head_dim: int) -> KernelLaunch:

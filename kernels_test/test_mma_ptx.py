@@ -3,8 +3,7 @@ this CPU by a small interpreter of the instructions they use (``and``,
 ``or``, ``xor``, ``shl``, ``shr``, ``mov`` (a pair unpacked too), ``prmt``,
 ``sub.f16x2``), against the codes the word planes hold: each conversion
 puts every weight of a word where ``_weight_order`` (what the plain Triton
-form and x's rows follow) says it is, as 1024 + code (64 + code for a
-nibble type's high tile); the attention's give each byte (int8 KV) or
+form and x's rows follow) says it is, as 1024 + code; the attention's give each byte (int8 KV) or
 4-bit code's IQ4_NL level (k8v4 values) as float16, in order. Without a GPU
 this is what checks the PTX strings themselves; the GPU-marked tests
 compare the compiled kernels."""
@@ -148,8 +147,7 @@ def test_each_conversion_puts_every_weight_where_the_plain_form_reads_it(qtype):
         for tile in (0, 1):
             got = np.concatenate([_as_float16_pairs(out[2 * tile]), _as_float16_pairs(out[2 * tile + 1])], axis=-1)
             weights = order[tile, 4 * w:4 * w + 4]
-            base = 64 if (tile == 1 and qtype != T.IQ4_XS) else 1024
-            expected = base + codes[:, :, weights]
+            expected = 1024 + codes[:, :, weights]
             assert np.array_equal(got, expected), (qtype.name, w, tile)
 
 

@@ -8,24 +8,28 @@ weights become float16 in registers instead and multiply x on the tensor
 cores, x padded to 16 rows: the products cost one ``mma`` a 16 x 16 tile.
 
 The conversion is what remains, so it is cut to the bone. A word of codes
-becomes float16 pairs by masking the codes into the mantissa under a fixed
-exponent (a mask and an or: 1024 + code for a low nibble, 64 + code for a
-high one left where it sits, bits 4-7), about two instructions a pair (the
-compiler moves one constant into a register for each ``lop3``; offered as
-an operand, a constant keeps Triton from making the tiles in the tensor
-cores' layout, a dearer trip through shared memory); a single ``fma`` per
-pair then scales it and takes the exponent's offset away exactly (``code x
-s`` rounded once: ``1024 s`` and ``64 s`` are exact). Every other offset of
-a type (Q4_0's 8, Q4_K's min, Q6_K's 32, IQ4's +128 that makes its codebook
-unsigned) is not applied per weight: it is one more column of the weight
-tile per 16 weights, ``-offset``, against a row of x's sums over those 16
-(``xsums``), a sixteenth more tensor-core work. Q5_K, Q5_0, Q5_1 and Q6_K merge their
-high words into the same masks; IQ4_XS looks its codebook up by ``prmt``.
-Q8_0 converts each signed byte exactly and multiplies by its scale.
+becomes two registers of whole code bytes (the four low nibbles, the four
+high ones: a mask, a shift and a mask; Q5_K, Q5_0, Q5_1 and Q6_K or their
+high bits in, shifted and masked; every constant an immediate, so nothing is
+rematerialized per use), and each byte a float16 1024 + code by ``prmt``
+with 0x64 bytes (two bytes a pair): under two instructions a pair. (Masking
+each pair into the mantissa directly, 1024 + code and 64 + code, took a
+register constant per ``lop3``, which ptxas re-made at every use: 187
+against 171 instructions per KiB of Q4_0 on sm_90, 267 against 238 of Q5_K
+on sm_86. Offered as an operand, a constant keeps Triton from making the
+tiles in the tensor cores' layout, a dearer trip through shared memory.) A
+single ``fma`` per pair then scales it and takes the exponent's offset away
+exactly (``code x s`` rounded once: ``1024 s`` is exact). Every other offset
+of a type (Q4_0's 8, Q4_K's min, Q6_K's 32, IQ4's +128 that makes its
+codebook unsigned) is not applied per weight: it is one more column of the
+weight tile per 16 weights, ``-offset``, against a row of x's sums over
+those 16 (``xsums``), a sixteenth more tensor-core work. IQ4_XS looks its
+codebook up by ``prmt``. Q8_0 converts each signed byte exactly and
+multiplies by its scale.
 
-Within a word the pairs come out in the order the masks give (bytes 0 and 2,
-then 1 and 3; IQ4 a byte's two nibbles together), so x's rows are read in
-that order (``_weight_order``): the products meet the right weights.
+Within a word the pairs come out in byte order (IQ4 a byte's two nibbles
+together), so x's rows are read in that order (``_weight_order``): the
+products meet the right weights.
 
 x is prepared once per call: each row scaled by its largest magnitude into
 [-1, 1] and rounded to float16 (the tensor cores' operand), laid out ``[K,
@@ -55,71 +59,48 @@ from .word_planes import BLOCK, WordPlanes
 X_ROWS = 16  # the tensor cores' smallest tile: x's 8 rows in float16 (columns 0-7) and their residuals (8-15)
 MAX_ROWS = 8
 
-# The operands: $4 a word of code bytes (Q4_0 order); Q5_K, Q6_K: $5 the chunk's high word shifted right by
-# the word's index (Q6_K: twice it; $9 its second high word, shifted alike). Out: the low nibbles of bytes
-# 0, 2 | 1, 3 as float16 1024 + code ($0, $1), the high ones as 64 + code ($2, $3).
+# The operands: $4 a word of code bytes (Q4_0 order: byte j holds weight j in its low nibble, 16 + j in its
+# high one). Q5_K, Q5_0, Q5_1: $5 the chunk's high word shifted right by the word's index (the fifth bit of
+# byte j's low nibble at bit 8j, of its high one at 8j + 4). Q6_K: $5 and $9 its two high words shifted right
+# by twice the index (the two high bits of byte j's low (high) nibble at bits 8j, 8j + 1 of $5 ($9), the top
+# one stored flipped). Each makes the four low-nibble codes and the four high-nibble codes whole bytes in
+# two registers (masks and ors, every constant an immediate), then each byte a float16 1024 + code by
+# prmt with 0x64 bytes: out $0, $1 the low nibbles' codes of bytes 0, 1 | 2, 3; $2, $3 the high ones'.
+_TO_PAIRS = """
+    mov.b32 m, 0x64646464;
+    prmt.b32 $0, l, m, 0x5140;
+    prmt.b32 $1, l, m, 0x7362;
+    prmt.b32 $2, h, m, 0x5140;
+    prmt.b32 $3, h, m, 0x7362;
+    }"""
 _NIBBLE_PAIRS = """{
-    .reg .b32 s;
-    shr.b32 s, $4, 8;
-    and.b32 $0, $4, 0x000F000F;
-    and.b32 $1, s, 0x000F000F;
-    and.b32 $2, $4, 0x00F000F0;
-    and.b32 $3, s, 0x00F000F0;
-    or.b32 $0, $0, 0x64006400;
-    or.b32 $1, $1, 0x64006400;
-    or.b32 $2, $2, 0x54005400;
-    or.b32 $3, $3, 0x54005400;
-    }"""
-# Q5_K: the fifth bit of the low nibble of byte j sits at bit 8j of $5, of the high one at 8j + 4: the
-# masks pick them once moved to bit 4 (8) of their float16.
+    .reg .b32 l, h, m;
+    and.b32 l, $4, 0x0F0F0F0F;
+    shr.b32 h, $4, 4;
+    and.b32 h, h, 0x0F0F0F0F;""" + _TO_PAIRS
 _Q5_PAIRS = """{
-    .reg .b32 s, t, u, a;
-    shr.b32 s, $4, 8;
+    .reg .b32 l, h, t, m;
     shl.b32 t, $5, 4;
-    shr.b32 u, $5, 4;
-    and.b32 a, t, 0x00100010;
-    or.b32 a, a, 0x64006400;
-    and.b32 $0, $4, 0x000F000F;
-    or.b32 $0, $0, a;
-    and.b32 a, u, 0x00100010;
-    or.b32 a, a, 0x64006400;
-    and.b32 $1, s, 0x000F000F;
-    or.b32 $1, $1, a;
-    and.b32 a, t, 0x01000100;
-    or.b32 a, a, 0x54005400;
-    and.b32 $2, $4, 0x00F000F0;
-    or.b32 $2, $2, a;
-    and.b32 a, u, 0x01000100;
-    or.b32 a, a, 0x54005400;
-    and.b32 $3, s, 0x00F000F0;
-    or.b32 $3, $3, a;
-    }"""
-# Q6_K: a weight's two high bits sit at bits 8j, 8j + 1 of $5 (first half) or $9 (second); the masks pick
-# them at bits 4-5 (8-9); their top bit is stored flipped: the xor (0x0020, 0x0200 beside the exponent)
-# flips it back.
+    and.b32 t, t, 0x10101010;
+    and.b32 l, $4, 0x0F0F0F0F;
+    or.b32 l, l, t;
+    and.b32 t, $5, 0x10101010;
+    shr.b32 h, $4, 4;
+    and.b32 h, h, 0x0F0F0F0F;
+    or.b32 h, h, t;""" + _TO_PAIRS
 _Q6_PAIRS = """{
-    .reg .b32 s, t, u, a;
-    shr.b32 s, $4, 8;
+    .reg .b32 l, h, t, m;
     shl.b32 t, $5, 4;
-    shr.b32 u, $5, 4;
-    and.b32 a, t, 0x00300030;
-    xor.b32 a, a, 0x64206420;
-    and.b32 $0, $4, 0x000F000F;
-    or.b32 $0, $0, a;
-    and.b32 a, u, 0x00300030;
-    xor.b32 a, a, 0x64206420;
-    and.b32 $1, s, 0x000F000F;
-    or.b32 $1, $1, a;
-    shl.b32 t, $9, 8;
-    and.b32 a, t, 0x03000300;
-    xor.b32 a, a, 0x56005600;
-    and.b32 $2, $4, 0x00F000F0;
-    or.b32 $2, $2, a;
-    and.b32 a, $9, 0x03000300;
-    xor.b32 a, a, 0x56005600;
-    and.b32 $3, s, 0x00F000F0;
-    or.b32 $3, $3, a;
-    }"""
+    and.b32 t, t, 0x30303030;
+    xor.b32 t, t, 0x20202020;
+    and.b32 l, $4, 0x0F0F0F0F;
+    or.b32 l, l, t;
+    shl.b32 t, $9, 4;
+    and.b32 t, t, 0x30303030;
+    xor.b32 t, t, 0x20202020;
+    shr.b32 h, $4, 4;
+    and.b32 h, h, 0x0F0F0F0F;
+    or.b32 h, h, t;""" + _TO_PAIRS
 # IQ4_XS: 8 nibble indices -> their codebook values + 128 (unsigned bytes) by prmt, a byte's two nibbles
 # together ($0: byte 0's low and high nibble, $1: byte 1's; $2, $3: bytes 2 and 3), as 1024 + value.
 # bank0 and bank1 hold the first four bytes of each 8-value bank (the other four are immediates).
@@ -160,14 +141,14 @@ def _weight_order(i, TILE: tl.constexpr, KIND: tl.constexpr):
         return i + 16 * TILE
     if KIND == 5:  # IQ4: a byte's two nibbles together, bytes 0, 1 of a word in tile 0, bytes 2, 3 in tile 1
         return 4 * w + 2 * TILE + e // 2 + 16 * (e % 2)
-    return 4 * w + (e % 2) * 2 + e // 2 + 16 * TILE  # bytes 0, 2, 1, 3 of each word; tile 1 the high nibbles
+    return i + 16 * TILE  # the bytes in order; tile 1 the high nibbles
 
 
 @triton.jit
 def _plain_tile(quants, q_at, h_at, high_words, codebook, i, TILE: tl.constexpr, KIND: tl.constexpr):
     """What the inline PTX makes of tile ``TILE``, in plain Triton (the
-    interpreter's form): each position's float16 1024 + code (tile 1 of the
-    nibble types 64 + code; Q8_0 the signed code itself)."""
+    interpreter's form): each position's float16 1024 + code (Q8_0 the
+    signed code itself)."""
     wi = _weight_order(i, TILE, KIND)
     if KIND == 0:
         return tl.load(quants + q_at + wi[None, None, :]).to(tl.float16)
@@ -183,8 +164,7 @@ def _plain_tile(quants, q_at, h_at, high_words, codebook, i, TILE: tl.constexpr,
         code |= (((h >> (8 * j + 2 * w)) & 3) ^ 2) << 4
     elif KIND == 5:
         code = tl.load(codebook + code)
-    base = 64 if (TILE == 1 and KIND != 5) else 1024
-    return (code + base).to(tl.float16)
+    return (code + 1024).to(tl.float16)
 
 
 @triton.jit
@@ -306,12 +286,9 @@ def _gemv_mma_kernel(
             else:
                 t0 = _plain_tile(quants, at, h_now, high_words, codebook, i, 0, KIND)
                 t1 = _plain_tile(quants, at, h_now, high_words, codebook, i, 1, KIND)
-            # code x s exactly (one rounding): the exponent's 1024 (64) times s is exact
+            # code x s exactly (one rounding): the exponent's 1024 times s is exact
             t0 = tl.fma(t0, s0[:, :, None], (s0 * -1024.0)[:, :, None])
-            if KIND == 5:
-                t1 = tl.fma(t1, s1[:, :, None], (s1 * -1024.0)[:, :, None])
-            else:
-                t1 = tl.fma(t1, s1[:, :, None], (s1 * -64.0)[:, :, None])
+            t1 = tl.fma(t1, s1[:, :, None], (s1 * -1024.0)[:, :, None])
         x0 = tl.load(xt + x0_at + b0 * (32 * 16))
         x1 = tl.load(xt + x1_at + b0 * (32 * 16))
         acc = tl.dot(t0.reshape(BLOCK_N, BLOCK_B * 16), x0, acc)

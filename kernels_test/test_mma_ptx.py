@@ -1,12 +1,12 @@
 """The tensor-core GEMV's and the attention's inline PTX conversions, run on
 this CPU by a small interpreter of the instructions they use (``and``,
 ``or``, ``xor``, ``shl``, ``shr``, ``mov`` (a pair unpacked too), ``prmt``,
-``sub.f16x2``), against the codes the word planes hold: each conversion
-puts every weight of a word where ``_weight_order`` (what the plain Triton
-form and x's rows follow) says it is, as 1024 + code; the attention's give each byte (int8 KV) or
-4-bit code's IQ4_NL level (k8v4 values) as float16, in order. Without a GPU
-this is what checks the PTX strings themselves; the GPU-marked tests
-compare the compiled kernels."""
+``sub.f16x2``): the GEMV's word of code bytes as float16 1024 + each byte,
+IQ4_XS's codebook lookup putting every weight where ``_weight_order`` (what
+the plain Triton form and x's rows follow) says, as 1024 + value + 128; the
+attention's give each byte (int8 KV) or 4-bit code's IQ4_NL level (k8v4
+values) as float16, in order. Without a GPU this is what checks the PTX
+strings themselves; the GPU-marked tests compare the compiled kernels."""
 
 from __future__ import annotations
 
@@ -117,38 +117,38 @@ def _weight_orders(kind: int) -> np.ndarray:
     return out.view(2, 16).cpu().numpy()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q4_1, T.Q5_0, T.Q5_1],
-                         ids=lambda t: t.name)
-def test_each_conversion_puts_every_weight_where_the_plain_form_reads_it(qtype):
+def test_iq4_conversion_puts_every_weight_where_the_plain_form_reads_it():
+    """IQ4_XS's codebook lookup by prmt: each word's eight codes as their
+    codebook values + 128, 1024 + that as float16, where ``_weight_order``
+    says (a byte's two nibbles together)."""
     from strata_kernels import _triton_gemv_mma as mma
-    from strata_kernels.launch_plans import MMA_KINDS
 
-    kind = MMA_KINDS[qtype]
-    text = {1: mma._NIBBLE_PAIRS, 2: mma._NIBBLE_PAIRS, 3: mma._Q5_PAIRS, 4: mma._Q6_PAIRS,
-            5: mma._IQ4_PAIRS, 6: mma._NIBBLE_PAIRS, 7: mma._Q5_PAIRS, 8: mma._Q5_PAIRS}[kind]
+    qtype = T.IQ4_XS
     planes = WordPlanes.of(random_quant_tensor(qtype, 6, _blocks_for(qtype, 512), seed=3))
     codes = _codes(planes).numpy()  # [rows, chunks, 32]
-    if qtype == T.Q6_K:
-        codes = codes + 32
-    if qtype == T.IQ4_XS:
-        codes = lookup_table("iq4nl_values", torch.device("cpu")).round().long().numpy()[codes] + 128
+    codes = lookup_table("iq4nl_values", torch.device("cpu")).round().long().numpy()[codes] + 128
     rows, chunks = codes.shape[:2]
     words = planes.quants.numpy().view(np.uint32).reshape(rows, chunks, 4).astype(np.uint64)
-    high = None if planes.high is None else planes.high.numpy().view(np.uint32).reshape(rows, chunks, -1)
-    order = _weight_orders(kind)
+    order = _weight_orders(5)
     for w in range(4):
-        operands = {4: words[:, :, w]}
-        if qtype in (T.Q5_K, T.Q5_0, T.Q5_1):
-            operands[5] = high[:, :, 0].astype(np.uint64) >> np.uint64(w)
-        if qtype == T.Q6_K:
-            operands[5] = high[:, :, 0].astype(np.uint64) >> np.uint64(2 * w)
-            operands[9] = high[:, :, 1].astype(np.uint64) >> np.uint64(2 * w)
-        out = run_ptx(text, operands, 4)
+        out = run_ptx(mma._IQ4_PAIRS, {4: words[:, :, w]}, 4)
         for tile in (0, 1):
             got = np.concatenate([_as_float16_pairs(out[2 * tile]), _as_float16_pairs(out[2 * tile + 1])], axis=-1)
-            weights = order[tile, 4 * w:4 * w + 4]
-            expected = 1024 + codes[:, :, weights]
-            assert np.array_equal(got, expected), (qtype.name, w, tile)
+            assert np.array_equal(got, 1024 + codes[:, :, order[tile, 4 * w:4 * w + 4]]), (w, tile)
+
+
+def test_a_word_of_code_bytes_becomes_1024_plus_each_byte():
+    """The nibble types' last step (their code bytes made by masks in plain
+    Triton, which the interpreter runs): each byte of a word, byte 0 first,
+    as float16 1024 + byte, every byte value in every position."""
+    from strata_kernels._triton_gemv_mma import WORD_TO_F16
+
+    rng = np.random.default_rng(7)
+    data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096, dtype=np.uint8)])
+    words = data.view(np.uint32).astype(np.uint64)
+    out = run_ptx(WORD_TO_F16.value, {4: words}, 4)
+    got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1).reshape(-1)
+    assert np.array_equal(got.astype(np.float64), 1024.0 + data)
 
 
 def test_the_interpreter_reads_prmt_as_ptx_defines_it():

@@ -7,25 +7,26 @@ a KiB of weights on sm_90, where the memory allows about 128). Here the
 weights become float16 in registers instead and multiply x on the tensor
 cores, x padded to 16 rows: the products cost one ``mma`` a 16 x 16 tile.
 
-The conversion is what remains, so it is cut to the bone. A word of codes
-becomes two registers of whole code bytes (the four low nibbles, the four
-high ones: a mask, a shift and a mask; Q5_K, Q5_0, Q5_1 and Q6_K or their
-high bits in, shifted and masked; every constant an immediate, so nothing is
-rematerialized per use), and each byte a float16 1024 + code by ``prmt``
-with 0x64 bytes (two bytes a pair): under two instructions a pair. (Masking
-each pair into the mantissa directly, 1024 + code and 64 + code, took a
-register constant per ``lop3``, which ptxas re-made at every use: 187
-against 171 instructions per KiB of Q4_0 on sm_90, 267 against 238 of Q5_K
-on sm_86. Offered as an operand, a constant keeps Triton from making the
-tiles in the tensor cores' layout, a dearer trip through shared memory.) A
-single ``fma`` per pair then scales it and takes the exponent's offset away
-exactly (``code x s`` rounded once: ``1024 s`` is exact). Every other offset
-of a type (Q4_0's 8, Q4_K's min, Q6_K's 32, IQ4's +128 that makes its
-codebook unsigned) is not applied per weight: it is one more column of the
-weight tile per 16 weights, ``-offset``, against a row of x's sums over
-those 16 (``xsums``), a sixteenth more tensor-core work. IQ4_XS looks its
-codebook up by ``prmt``. Q8_0 converts each signed byte exactly and
-multiplies by its scale.
+The conversion is what remains, so it is cut to the bone. The words of a
+tile's codes are loaded as int32 and made words of whole code bytes in
+registers (the four low nibbles, the four high ones: a mask, a shift and a
+mask; Q5_K, Q5_0, Q5_1 and Q6_K or their high bits in, shifted and masked;
+every constant an immediate), and each byte a float16 1024 + code by
+``prmt`` with 0x64 bytes, one instruction a pair, the tile joined from the
+words in registers. (Masking each pair into the mantissa inside one PTX
+block, 1024 + code and 64 + code, took a register constant per ``lop3``
+that ptxas re-made at every use, and a block taking the high words beside
+the code bytes cost a register copy per operand: 187 against 160
+instructions per KiB of Q4_0 on sm_90, 262 against 173 of Q5_K. Offered as
+an operand, a constant keeps Triton from making the tiles in the tensor
+cores' layout, a dearer trip through shared memory.) A single ``fma`` per
+pair then scales it and takes the exponent's offset away exactly (``code x
+s`` rounded once: ``1024 s`` is exact). Every other offset of a type (Q4_0's
+8, Q4_K's min, Q6_K's 32, IQ4's +128 that makes its codebook unsigned) is
+not applied per weight: it is one more column of the weight tile per 16
+weights, ``-offset``, against a row of x's sums over those 16 (``xsums``), a
+sixteenth more tensor-core work. IQ4_XS looks its codebook up by ``prmt``.
+Q8_0 converts each signed byte exactly and multiplies by its scale.
 
 Within a word the pairs come out in byte order (IQ4 a byte's two nibbles
 together), so x's rows are read in that order (``_weight_order``): the
@@ -38,7 +39,8 @@ x is prepared once per call: each row scaled by its largest magnitude into
 column's sums over each 16 values, and the scales kept for the output.
 
 ``USE_ASM`` picks the conversions through inline PTX, or plain Triton
-computing the same float16 values, which the interpreter runs: equal.
+computing the same float16 values, which the interpreter runs: equal (the
+masks that make code bytes are plain Triton either way).
 Exactness needs ``1024 s`` within float16 (``WordPlanes.fits_mma``: every
 block scale below 64); ``qmatmul.gemv_path`` takes the word GEMV otherwise.
 """
@@ -59,48 +61,16 @@ from .word_planes import BLOCK, WordPlanes
 X_ROWS = 16  # the tensor cores' smallest tile: x's 8 rows in float16 (columns 0-7) and their residuals (8-15)
 MAX_ROWS = 8
 
-# The operands: $4 a word of code bytes (Q4_0 order: byte j holds weight j in its low nibble, 16 + j in its
-# high one). Q5_K, Q5_0, Q5_1: $5 the chunk's high word shifted right by the word's index (the fifth bit of
-# byte j's low nibble at bit 8j, of its high one at 8j + 4). Q6_K: $5 and $9 its two high words shifted right
-# by twice the index (the two high bits of byte j's low (high) nibble at bits 8j, 8j + 1 of $5 ($9), the top
-# one stored flipped). Each makes the four low-nibble codes and the four high-nibble codes whole bytes in
-# two registers (masks and ors, every constant an immediate), then each byte a float16 1024 + code by
-# prmt with 0x64 bytes: out $0, $1 the low nibbles' codes of bytes 0, 1 | 2, 3; $2, $3 the high ones'.
-_TO_PAIRS = """
+# A word of four code bytes in $4 -> each byte as float16 1024 + byte in $0..$3, byte 0 first (prmt with 0x64
+# bytes: one instruction a pair, the constant 0x64646464 the only one).
+_WORD_TO_F16 = """{
+    .reg .b32 lo, hi, m;
     mov.b32 m, 0x64646464;
-    prmt.b32 $0, l, m, 0x5140;
-    prmt.b32 $1, l, m, 0x7362;
-    prmt.b32 $2, h, m, 0x5140;
-    prmt.b32 $3, h, m, 0x7362;
+    prmt.b32 lo, $4, m, 0x5140;
+    prmt.b32 hi, $4, m, 0x7362;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
     }"""
-_NIBBLE_PAIRS = """{
-    .reg .b32 l, h, m;
-    and.b32 l, $4, 0x0F0F0F0F;
-    shr.b32 h, $4, 4;
-    and.b32 h, h, 0x0F0F0F0F;""" + _TO_PAIRS
-_Q5_PAIRS = """{
-    .reg .b32 l, h, t, m;
-    shl.b32 t, $5, 4;
-    and.b32 t, t, 0x10101010;
-    and.b32 l, $4, 0x0F0F0F0F;
-    or.b32 l, l, t;
-    and.b32 t, $5, 0x10101010;
-    shr.b32 h, $4, 4;
-    and.b32 h, h, 0x0F0F0F0F;
-    or.b32 h, h, t;""" + _TO_PAIRS
-_Q6_PAIRS = """{
-    .reg .b32 l, h, t, m;
-    shl.b32 t, $5, 4;
-    and.b32 t, t, 0x30303030;
-    xor.b32 t, t, 0x20202020;
-    and.b32 l, $4, 0x0F0F0F0F;
-    or.b32 l, l, t;
-    shl.b32 t, $9, 4;
-    and.b32 t, t, 0x30303030;
-    xor.b32 t, t, 0x20202020;
-    shr.b32 h, $4, 4;
-    and.b32 h, h, 0x0F0F0F0F;
-    or.b32 h, h, t;""" + _TO_PAIRS
 # IQ4_XS: 8 nibble indices -> their codebook values + 128 (unsigned bytes) by prmt, a byte's two nibbles
 # together ($0: byte 0's low and high nibble, $1: byte 1's; $2, $3: bytes 2 and 3), as 1024 + value.
 # bank0 and bank1 hold the first four bytes of each 8-value bank (the other four are immediates).
@@ -125,9 +95,7 @@ _IQ4_PAIRS = """{
     prmt.b32 $2, b, 0x64646464, 0x5140;
     prmt.b32 $3, b, 0x64646464, 0x7362;
     }"""
-NIBBLE_PAIRS = tl.constexpr(_NIBBLE_PAIRS)
-Q5_PAIRS = tl.constexpr(_Q5_PAIRS)
-Q6_PAIRS = tl.constexpr(_Q6_PAIRS)
+WORD_TO_F16 = tl.constexpr(_WORD_TO_F16)
 IQ4_PAIRS = tl.constexpr(_IQ4_PAIRS)
 
 
@@ -145,47 +113,68 @@ def _weight_order(i, TILE: tl.constexpr, KIND: tl.constexpr):
 
 
 @triton.jit
-def _plain_tile(quants, q_at, h_at, high_words, codebook, i, TILE: tl.constexpr, KIND: tl.constexpr):
-    """What the inline PTX makes of tile ``TILE``, in plain Triton (the
-    interpreter's form): each position's float16 1024 + code (Q8_0 the
-    signed code itself)."""
+def _plain_tile(quants, q_at, codebook, i, TILE: tl.constexpr, KIND: tl.constexpr):
+    """Q8_0's and IQ4_XS's tile ``TILE`` in plain Triton (the interpreter's
+    form; IQ4 what its PTX makes): each position's signed code (Q8_0) or
+    float16 1024 + its codebook value + 128 (IQ4_XS)."""
     wi = _weight_order(i, TILE, KIND)
     if KIND == 0:
         return tl.load(quants + q_at + wi[None, None, :]).to(tl.float16)
-    half = wi // 16
-    w = (wi % 16) // 4
-    j = wi % 4
-    code = (tl.load(quants + q_at + (wi % 16)[None, None, :]).to(tl.int32) >> (4 * half)) & 15
-    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: bit w (4 + w) of high byte j above weight 4w + j (16 + ...)
-        h = tl.load(high_words + h_at)[:, :, None]
-        code |= ((h >> (8 * j + w + 4 * half)) & 1) << 4
-    elif KIND == 4:  # Q6_K: bits 2w, 2w + 1 of byte j of the half's high word, the top one flipped
-        h = tl.load(high_words + h_at[:, :, None] + half[None, None, :])
-        code |= (((h >> (8 * j + 2 * w)) & 3) ^ 2) << 4
-    elif KIND == 5:
-        code = tl.load(codebook + code)
-    return (code + 1024).to(tl.float16)
+    code = (tl.load(quants + q_at + (wi % 16)[None, None, :]).to(tl.int32) >> (4 * (wi // 16))) & 15
+    return (tl.load(codebook + code) + 1024).to(tl.float16)
 
 
 @triton.jit
-def _asm_tiles(q, hs0, hs1, KIND: tl.constexpr):
-    """Both tiles of a nibble type from its code bytes ``q`` (uint8, four to
-    a register) and the shifted high words (int32, the same for a word's
-    four bytes): the PTX above. (Only operands that are loaded with ``q`` or
+def _iq4_tiles(q):
+    """IQ4_XS's two tiles from its code bytes ``q`` (uint8, four to a
+    register): the PTX above. (Only operands that are loaded with ``q`` or
     are constants: another, a kernel argument say, keeps Triton from making
     the tiles in the tensor cores' layout, and they round-trip through
     shared memory.)"""
-    if KIND == 5:
-        return tl.inline_asm_elementwise(IQ4_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
-                                         is_pure=True, pack=4)
-    if KIND == 4:
-        return tl.inline_asm_elementwise(Q6_PAIRS, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [q, hs0, hs1],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    if KIND == 3 or KIND >= 7:
-        return tl.inline_asm_elementwise(Q5_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [q, hs0], dtype=(tl.float16, tl.float16),
-                                         is_pure=True, pack=4)
-    return tl.inline_asm_elementwise(NIBBLE_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
+    return tl.inline_asm_elementwise(IQ4_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
                                      is_pure=True, pack=4)
+
+
+@triton.jit
+def _word_tile(words, USE_ASM: tl.constexpr):
+    """Words of four code bytes ``[N, B, 4]`` (int32) as the float16 tile
+    ``[N, B, 16]`` of 1024 + each byte, in byte order."""
+    if USE_ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_TO_F16, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                                                   is_pure=True, pack=1)
+    else:
+        b0 = ((words & 0xFF) + 1024).to(tl.float16)
+        b1 = (((words >> 8) & 0xFF) + 1024).to(tl.float16)
+        b2 = (((words >> 16) & 0xFF) + 1024).to(tl.float16)
+        b3 = (((words >> 24) & 0xFF) + 1024).to(tl.float16)
+    # the joins' new dimensions: [.., p, o] holds byte 2p + o
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(words.shape[0], words.shape[1], 16)
+
+
+@triton.jit
+def _code_words(quants, at, high_words, h_now, KIND: tl.constexpr):
+    """A nibble type's codes of the blocks at byte offsets ``at`` ``[N, B,
+    1]`` as whole bytes: the words of the four low-nibble codes (weights
+    4w..4w+3 of the block) and of the four high-nibble ones (16 + 4w..),
+    ``[N, B, 4]`` int32 each. Q5_K, Q5_0, Q5_1 or in the fifth bit (byte j's
+    low nibble's at bit 8j of the block's high word shifted right by the
+    word's index, its high nibble's at 8j + 4), Q6_K its two high bits
+    (bits 8j, 8j + 1 of the first (second) high word shifted right by twice
+    the index, the top one stored flipped). Every constant an immediate."""
+    w = tl.arange(0, 4)[None, None, :]
+    words = tl.load(quants.to(tl.pointer_type(tl.int32), bitcast=True) + at // 4 + w)
+    low = words & 0x0F0F0F0F
+    high = (words >> 4) & 0x0F0F0F0F
+    if KIND == 3 or KIND >= 7:
+        h = tl.load(high_words + h_now)[:, :, None] >> w
+        low |= (h << 4) & 0x10101010
+        high |= h & 0x10101010
+    elif KIND == 4:
+        h = tl.load(high_words + h_now)[:, :, None] >> (2 * w)
+        low |= ((h << 4) & 0x30303030) ^ 0x20202020
+        h = tl.load(high_words + h_now + 1)[:, :, None] >> (2 * w)
+        high |= ((h << 4) & 0x30303030) ^ 0x20202020
+    return low, high
 
 
 @triton.jit
@@ -266,26 +255,22 @@ def _gemv_mma_kernel(
                 t0 = bytes_to_f16(tl.load(quants + at + i[None, None, :]), True)
                 t1 = bytes_to_f16(tl.load(quants + at + 16 + i[None, None, :]), True)
             else:
-                t0 = _plain_tile(quants, at, 0, high_words, codebook, i, 0, KIND)
-                t1 = _plain_tile(quants, at, 0, high_words, codebook, i, 1, KIND)
+                t0 = _plain_tile(quants, at, codebook, i, 0, KIND)
+                t1 = _plain_tile(quants, at, codebook, i, 1, KIND)
             t0 = t0 * s0[:, :, None]
             t1 = t1 * s1[:, :, None]
         else:
             h_now = h_at + b0 * HIGH
-            if USE_ASM:
-                q = tl.load(quants + at + i[None, None, :])
-                word = (i // 4)[None, None, :]
-                hs0 = tl.zeros_like(word)
-                hs1 = tl.zeros_like(word)
-                if KIND == 3 or KIND >= 7:
-                    hs0 = tl.load(high_words + h_now)[:, :, None] >> word
-                elif KIND == 4:
-                    hs0 = tl.load(high_words + h_now)[:, :, None] >> (2 * word)
-                    hs1 = tl.load(high_words + h_now + 1)[:, :, None] >> (2 * word)
-                t0, t1 = _asm_tiles(q, hs0, hs1, KIND)
-            else:
-                t0 = _plain_tile(quants, at, h_now, high_words, codebook, i, 0, KIND)
-                t1 = _plain_tile(quants, at, h_now, high_words, codebook, i, 1, KIND)
+            if KIND == 5:
+                if USE_ASM:
+                    t0, t1 = _iq4_tiles(tl.load(quants + at + i[None, None, :]))
+                else:
+                    t0 = _plain_tile(quants, at, codebook, i, 0, KIND)
+                    t1 = _plain_tile(quants, at, codebook, i, 1, KIND)
+            else:  # the same masks either way; the bytes become float16 by prmt (USE_ASM) or by shifts
+                low, high = _code_words(quants, at, high_words, h_now, KIND)
+                t0 = _word_tile(low, USE_ASM)
+                t1 = _word_tile(high, USE_ASM)
             # code x s exactly (one rounding): the exponent's 1024 times s is exact
             t0 = tl.fma(t0, s0[:, :, None], (s0 * -1024.0)[:, :, None])
             t1 = tl.fma(t1, s1[:, :, None], (s1 * -1024.0)[:, :, None])

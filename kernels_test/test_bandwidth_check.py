@@ -94,6 +94,20 @@ def test_a_lookup_counts_as_an_instruction_not_as_streamed_bytes():
     assert bandwidth.load_sectors(f) == bandwidth.load_sectors(loop) - 4 + bandwidth.LOOKUP_SECTORS
 
 
+def test_a_register_rewritten_by_a_wide_result_ends_its_chain():
+    """A 64-bit address made by IMAD.WIDE (written as its first register)
+    replaces both halves: a load from it starts a new round trip even where
+    the high half last held a loaded value; a cp.async's shared address is
+    read, not written."""
+    body = _SASS.replace(
+        "        /*0040*/                   IMAD.WIDE R12, R8, 0x4, R14 ;\n",
+        "        /*0040*/                   IMAD.WIDE R12, R17, 0x4, R14 ;\n")
+    f = loop_figures(body.replace("LDG.E.U8 R8, desc[UR4][R10.64]", "LDG.E.U8 R13, desc[UR4][R10.64]"))
+    assert f.round_trips == 1  # R13 (a byte load's result) is overwritten by the wide IMAD before the 4-byte load
+    f = loop_figures(body.replace("LDG.E.U8 R8, desc[UR4][R10.64]", "LDGSTS.E.BYPASS.128 [R12+0x10], desc[UR4][R10.64]"))
+    assert f.round_trips == 1
+
+
 def test_a_kernel_without_a_loop_is_read_whole():
     f = loop_figures(_SASS.replace("@P0 BRA `(.L_x_1)", "NOP"))
     assert not f.looped and f.instructions == 12  # every instruction, the trap after EXIT too

@@ -122,6 +122,33 @@ def _registers(operands: str) -> set[int]:
     return regs
 
 
+def _written(opcode: str, dst: str) -> set[int]:
+    """The registers an instruction writes: its destination and, for a wide
+    result named by its first register alone, the ones after it (a 64- or
+    128-bit load, ``IMAD.WIDE``, ``LDSM``'s 2 or 4 matrices, an ``HMMA``'s
+    float32 fragment). Missing one would leave a stale chain on it. A
+    store's or ``LDGSTS``'s first operand is an address: it writes none."""
+    if dst.strip().startswith("["):
+        return set()
+    regs = _registers(dst)
+    if not regs:
+        return regs
+    parts = opcode.split(".")
+    count = 1
+    if parts[0] in ("LDG", "LDS", "LDL", "LDC", "LD", "ATOM", "ATOMS", "ATOMG"):
+        count = {"64": 2, "128": 4}.get(next((p for p in parts if p in ("64", "128")), ""), 1)
+    elif parts[0] == "LDSM":
+        count = int(parts[-1]) if parts[-1] in ("2", "4") else 1
+    elif parts[0] == "IMAD" and "WIDE" in parts:
+        count = 2
+    elif parts[0] in ("HMMA", "IMMA"):
+        count = 2 if parts[-1] == "F16" else 4
+    elif parts[0] in ("DADD", "DMUL", "DFMA"):
+        count = 2
+    first = min(regs)
+    return regs | {first + k for k in range(count)}
+
+
 def _is_lookup(opcode: str) -> bool:
     return opcode.startswith("LDG") and "EL" in opcode.split(".")
 
@@ -152,7 +179,7 @@ def _figures(body: list[tuple[int, str]], looped: bool) -> LoopFigures:
             shuffles += 1
         elif opcode.startswith(("BAR", "BSYNC")):
             barriers += 1
-        for r in _registers(dst):
+        for r in _written(opcode, dst):
             depth[r] = source_depth
     return LoopFigures(len(body), loads, load_bytes, narrow_loads, narrow_bytes, deepest, shuffles, barriers, looped,
                        lookups)

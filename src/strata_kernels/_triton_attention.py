@@ -1,6 +1,8 @@
-"""Triton attention over a KV cache in any format, dequantizing each K/V tile
-in registers right after it is loaded (imported only when the Triton backend
-runs)."""
+"""Triton attention over a KV cache in any format, reading the codes of a
+quantized one as stored and making them float16 in registers right after
+they are loaded, each int8 key group's scale applied to its scores and each
+int8 value group's to the probabilities (imported only when the Triton
+backend runs)."""
 
 from __future__ import annotations
 

@@ -141,12 +141,12 @@ def test_a_word_of_code_bytes_becomes_1024_plus_each_byte():
     """The nibble types' last step (their code bytes made by masks in plain
     Triton, which the interpreter runs): each byte of a word, byte 0 first,
     as float16 1024 + byte, every byte value in every position."""
-    from strata_kernels._triton_gemv_mma import WORD_TO_F16
+    from strata_kernels._triton_convert import WORD_PLUS_1024
 
     rng = np.random.default_rng(7)
     data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096, dtype=np.uint8)])
     words = data.view(np.uint32).astype(np.uint64)
-    out = run_ptx(WORD_TO_F16.value, {4: words}, 4)
+    out = run_ptx(WORD_PLUS_1024.value, {4: words}, 4)
     got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1).reshape(-1)
     assert np.array_equal(got.astype(np.float64), 1024.0 + data)
 
@@ -165,8 +165,7 @@ def test_int8_words_become_their_bytes_as_float16(biased):
     bytes, byte 0 first, exactly (every byte value in every position); the
     keys' form leaves KEY_BIAS (1152) on each, which the kernel takes from
     the scores at once."""
-    from strata_kernels._triton_attention import KEY_BIAS, WORD_BYTES_BIASED
-    from strata_kernels._triton_convert import WORD_BYTES
+    from strata_kernels._triton_convert import KEY_BIAS, WORD_BYTES, WORD_BYTES_BIASED
 
     rng = np.random.default_rng(5)
     data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096, dtype=np.uint8)])

@@ -12,23 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_convert import word_bytes_to_f16, word_iq4_levels_to_f16
+from ._triton_convert import KEY_BIAS, WORD_BYTES_BIASED, word_bytes_to_f16, word_iq4_levels_to_f16
 from .kv_quant import KVStore
 from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
 
 
-# An int32 word of four signed bytes in $4 -> 1024 + 128 + each byte as float16 in $0..$3, byte 0 first
-# (bytes_to_f16 less its subtraction: a key's offset is taken from the score once, see below).
-WORD_BYTES_BIASED = tl.constexpr("""{
-    .reg .b32 u, lo, hi;
-    xor.b32 u, $4, 0x80808080;
-    prmt.b32 lo, u, 0x64646464, 0x5140;
-    prmt.b32 hi, u, 0x64646464, 0x7362;
-    mov.b32 {$0, $1}, lo;
-    mov.b32 {$2, $3}, hi;
-    }""")
-KEY_BIAS = tl.constexpr(1152.0)  # what WORD_BYTES_BIASED adds to a code
 
 
 @triton.jit

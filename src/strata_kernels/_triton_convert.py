@@ -63,6 +63,29 @@ WORD_BYTES = tl.constexpr("""{
     mov.b32 bias, 0x64806480;""" + _to_f16("u", 0) + """
     }""")
 
+# Attention's keys: an int32 word of four signed bytes in $4 -> 1024 + 128 + each byte as float16 in $0..$3,
+# byte 0 first (bytes_to_f16 less its subtraction: the attention kernel takes a key's offset from its score once).
+WORD_BYTES_BIASED = tl.constexpr("""{
+    .reg .b32 u, lo, hi;
+    xor.b32 u, $4, 0x80808080;
+    prmt.b32 lo, u, 0x64646464, 0x5140;
+    prmt.b32 hi, u, 0x64646464, 0x7362;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
+    }""")
+KEY_BIAS = tl.constexpr(1152.0)  # what WORD_BYTES_BIASED adds to a code
+
+# The tensor-core GEMV's: a word of four code bytes in $4 -> each byte as float16 1024 + byte in $0..$3, byte 0
+# first (prmt with 0x64 bytes: one instruction a pair, the constant 0x64646464 the only one).
+WORD_PLUS_1024 = tl.constexpr("""{
+    .reg .b32 lo, hi, m;
+    mov.b32 m, 0x64646464;
+    prmt.b32 lo, $4, m, 0x5140;
+    prmt.b32 hi, $4, m, 0x7362;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
+    }""")
+
 # An int32 word of eight 4-bit codes in $8 (byte j: code 2j low, 2j + 1 high) -> each code's IQ4_NL level as
 # float16 in $0..$7, code 0 first: the levels + 128 (unsigned bytes) looked up by prmt in two 8-value
 # banks (the low 3 bits of a code pick a byte, its top bit the bank), then made float16 as above.

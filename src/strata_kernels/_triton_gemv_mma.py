@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from ._triton_convert import bytes_to_f16
+from ._triton_convert import WORD_PLUS_1024, bytes_to_f16
 from .formats import lookup_table
 from .launch import split_k
 from .launch_plans import MMA_KINDS, gemv_mma_launch
@@ -61,16 +61,6 @@ from .word_planes import BLOCK, WordPlanes
 X_ROWS = 16  # the tensor cores' smallest tile: x's 8 rows in float16 (columns 0-7) and their residuals (8-15)
 MAX_ROWS = 8
 
-# A word of four code bytes in $4 -> each byte as float16 1024 + byte in $0..$3, byte 0 first (prmt with 0x64
-# bytes: one instruction a pair, the constant 0x64646464 the only one).
-_WORD_TO_F16 = """{
-    .reg .b32 lo, hi, m;
-    mov.b32 m, 0x64646464;
-    prmt.b32 lo, $4, m, 0x5140;
-    prmt.b32 hi, $4, m, 0x7362;
-    mov.b32 {$0, $1}, lo;
-    mov.b32 {$2, $3}, hi;
-    }"""
 # IQ4_XS: 8 nibble indices -> their codebook values + 128 (unsigned bytes) by prmt, a byte's two nibbles
 # together ($0: byte 0's low and high nibble, $1: byte 1's; $2, $3: bytes 2 and 3), as 1024 + value.
 # bank0 and bank1 hold the first four bytes of each 8-value bank (the other four are immediates).
@@ -95,7 +85,6 @@ _IQ4_PAIRS = """{
     prmt.b32 $2, b, 0x64646464, 0x5140;
     prmt.b32 $3, b, 0x64646464, 0x7362;
     }"""
-WORD_TO_F16 = tl.constexpr(_WORD_TO_F16)
 IQ4_PAIRS = tl.constexpr(_IQ4_PAIRS)
 
 
@@ -140,7 +129,7 @@ def _word_tile(words, USE_ASM: tl.constexpr):
     """Words of four code bytes ``[N, B, 4]`` (int32) as the float16 tile
     ``[N, B, 16]`` of 1024 + each byte, in byte order."""
     if USE_ASM:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_TO_F16, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_PLUS_1024, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
                                                    is_pure=True, pack=1)
     else:
         b0 = ((words & 0xFF) + 1024).to(tl.float16)

@@ -141,14 +141,12 @@ def _attention_kernel(
     q_row = ((seq * T + t) * HKV * G + head).to(tl.int64)
     kd = tl.arange(0, KW)
     queries = ()
-    starts_at = ()  # each key group's dot starts here: minus its offset's share (quantized), else 0
+    starts_at = ()  # each quantized key group's dot starts here: minus its codes' offset's share
     for g in tl.static_range(KG):
         qg = tl.load(q + q_row[:, None] * D + g * KW + kd[None, :], mask=row_ok[:, None], other=0.0)
         qg = (qg.to(tl.float32) * (scale * 1.4426950408889634)).to(operand)
         queries = queries + (qg,)
-        if FMT == 0:
-            starts_at = starts_at + (tl.zeros((BLOCK_M,), tl.float32),)
-        else:
+        if FMT != 0:
             starts_at = starts_at + (-(tl.sum(qg.to(tl.float32), axis=1) * KEY_BIAS),)
     q_pos = start + t
     end = start + T

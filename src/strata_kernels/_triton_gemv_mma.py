@@ -5,13 +5,15 @@ At one row the word GEMV's ``dp2a`` products cost about as much as the
 weights' loads; at eight they cost eight times as much (300-600 instructions
 a KiB of weights on sm_90, where the memory allows about 128). Here the
 weights become float16 in registers instead and multiply x on the tensor
-cores, x padded to 16 rows: the products cost one ``mma`` a 16 x 16 tile.
+cores, x padded to 8 rows: the products cost one ``mma`` a 16 x 16 tile of
+weights.
 
 The conversion is what remains, so it is cut to the bone. The words of a
 tile's codes are loaded as int32 and made words of whole code bytes in
 registers (the four low nibbles, the four high ones: a mask, a shift and a
-mask; Q5_K, Q5_0, Q5_1 and Q6_K or their high bits in, shifted and masked;
-every constant an immediate), and each byte a float16 1024 + code by
+mask, or for Q4_0, Q4_K and Q4_1 a mask alone, each byte 16 x its code and
+those products divided by 16 once at the end; Q5_K, Q5_0, Q5_1 and Q6_K or
+their high bits in, shifted and masked; every constant an immediate), and each byte a float16 1024 + code by
 ``prmt`` with 0x64 bytes, one instruction a pair, the tile joined from the
 words in registers. (Masking each pair into the mantissa inside one PTX
 block, 1024 + code and 64 + code, took a register constant per ``lop3``
@@ -28,15 +30,20 @@ weights, ``-offset``, against a row of x's sums over those 16 (``xsums``), a
 sixteenth more tensor-core work. IQ4_XS looks its codebook up by ``prmt``.
 Q8_0 converts each signed byte exactly and multiplies by its scale.
 
-Within a word the pairs come out in byte order (IQ4 a byte's two nibbles
-together), so x's rows are read in that order (``_weight_order``): the
-products meet the right weights.
+A word's bytes are put where the tensor cores' operand layout has the lane
+that loaded it hold them (``_weight_order``: byte 2h + o of word w at
+position 8h + 2w + o of its 16), so the tile is made in registers as it is
+multiplied; in byte order Triton sent each tile through shared memory and
+back (160 against 150 instructions per KiB of Q4_0 on sm_90). x's rows are
+read in the same order, so the products meet the right weights (IQ4 keeps
+a byte's two nibbles together).
 
 x is prepared once per call: each row scaled by its largest magnitude into
-[-1, 1] and rounded to float16 (the tensor cores' operand), laid out ``[K,
-16]``: column ``m`` is row ``m``, column ``8 + m`` the residual of its rounding
-(the tile's spare columns carry x to about 22 bits at no cost), with each
-column's sums over each 16 values, and the scales kept for the output.
+[-1, 1] and rounded to float16 (the tensor cores' operand, 11 bits where the
+CPU's default path keeps 8), laid out ``[K, 8]`` (column ``m`` is row ``m``),
+with each column's sums over each 16 values, and the scales kept for the
+output. (Rounding's residual in 8 more columns carried x to 22 bits, but
+cost a second ``mma`` a tile: 150 against 130 instructions per KiB of Q4_0.)
 
 ``USE_ASM`` picks the conversions through inline PTX, or plain Triton
 computing the same float16 values, which the interpreter runs: equal (the
@@ -58,8 +65,8 @@ from .launch import split_k
 from .launch_plans import MMA_KINDS, gemv_mma_launch
 from .word_planes import BLOCK, WordPlanes
 
-X_ROWS = 16  # the tensor cores' smallest tile: x's 8 rows in float16 (columns 0-7) and their residuals (8-15)
 MAX_ROWS = 8
+X_ROWS = tl.constexpr(MAX_ROWS)  # x's columns: its rows, zeros past M
 
 # IQ4_XS: 8 nibble indices -> their codebook values + 128 (unsigned bytes) by prmt, a byte's two nibbles
 # together ($0: byte 0's low and high nibble, $1: byte 1's; $2, $3: bytes 2 and 3), as 1024 + value.
@@ -98,7 +105,9 @@ def _weight_order(i, TILE: tl.constexpr, KIND: tl.constexpr):
         return i + 16 * TILE
     if KIND == 5:  # IQ4: a byte's two nibbles together, bytes 0, 1 of a word in tile 0, bytes 2, 3 in tile 1
         return 4 * w + 2 * TILE + e // 2 + 16 * (e % 2)
-    return i + 16 * TILE  # the bytes in order; tile 1 the high nibbles
+    # byte 2h + o of word w at position 8h + 2w + o, tile 1 the high nibbles: the tensor cores' A operand
+    # holds positions 2L, 2L + 1, 2L + 8, 2L + 9 of a 16 in lane L % 4, so a lane's word becomes its registers
+    return 4 * ((i // 2) % 4) + 2 * (i // 8) + i % 2 + 16 * TILE
 
 
 @triton.jit
@@ -127,7 +136,7 @@ def _iq4_tiles(q):
 @triton.jit
 def _word_tile(words, USE_ASM: tl.constexpr):
     """Words of four code bytes ``[N, B, 4]`` (int32) as the float16 tile
-    ``[N, B, 16]`` of 1024 + each byte, in byte order."""
+    ``[N, B, 16]`` of 1024 + each byte, in ``_weight_order``."""
     if USE_ASM:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_PLUS_1024, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
                                                    is_pure=True, pack=1)
@@ -136,26 +145,38 @@ def _word_tile(words, USE_ASM: tl.constexpr):
         b1 = (((words >> 8) & 0xFF) + 1024).to(tl.float16)
         b2 = (((words >> 16) & 0xFF) + 1024).to(tl.float16)
         b3 = (((words >> 24) & 0xFF) + 1024).to(tl.float16)
-    # the joins' new dimensions: [.., p, o] holds byte 2p + o
-    return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(words.shape[0], words.shape[1], 16)
+    # [.., w, o, h] holds byte 2h + o of word w, put at position 8h + 2w + o (_weight_order)
+    tile = tl.join(tl.join(b0, b1), tl.join(b2, b3)).permute(0, 1, 4, 2, 3)
+    return tile.reshape(words.shape[0], words.shape[1], 16)
 
 
 @triton.jit
-def _code_words(quants, at, high_words, h_now, KIND: tl.constexpr):
-    """A nibble type's codes of the blocks at byte offsets ``at`` ``[N, B,
+def _code_words(quants, at, high_words, h_now, word_index, KIND: tl.constexpr):
+    """A nibble type's codes of the blocks at word offsets ``at`` ``[N, B,
     1]`` as whole bytes: the words of the four low-nibble codes (weights
     4w..4w+3 of the block) and of the four high-nibble ones (16 + 4w..),
-    ``[N, B, 4]`` int32 each. Q5_K, Q5_0, Q5_1 or in the fifth bit (byte j's
+    ``[N, B, 4]`` int32 each. The plain 4-bit types' high nibbles are
+    masked where they are, each byte 16 x its code (``HIGH_TIMES_16``: no
+    shift, 16 instructions an iteration; their products are kept apart and
+    divided by 16 at the end). Q5_K, Q5_0, Q5_1 or in the fifth bit (byte j's
     low nibble's at bit 8j of the block's high word shifted right by the
     word's index, its high nibble's at 8j + 4), Q6_K its two high bits
     (bits 8j, 8j + 1 of the first (second) high word shifted right by twice
-    the index, the top one stored flipped). Every constant an immediate."""
+    the index, the top one stored flipped). Every constant an immediate.
+    The fifth bits' shift is by the word's index as loaded from
+    ``word_index`` (0..3): shifted by a made range, the tiles went through
+    shared memory (158 against 173 instructions per KiB of Q5_K on sm_90).
+    Q6_K keeps the range: its two high words in the tensor cores' layout
+    took more instructions than the trip (164 against 155)."""
     w = tl.arange(0, 4)[None, None, :]
-    words = tl.load(quants.to(tl.pointer_type(tl.int32), bitcast=True) + at // 4 + w)
+    words = tl.load(quants.to(tl.pointer_type(tl.int32), bitcast=True) + at + w)
     low = words & 0x0F0F0F0F
-    high = (words >> 4) & 0x0F0F0F0F
+    if KIND == 1 or KIND == 2 or KIND == 6:  # HIGH_TIMES_16
+        high = words & -0x0F0F0F10  # 0xF0F0F0F0
+    else:
+        high = (words >> 4) & 0x0F0F0F0F
     if KIND == 3 or KIND >= 7:
-        h = tl.load(high_words + h_now)[:, :, None] >> w
+        h = tl.load(high_words + h_now)[:, :, None] >> tl.load(word_index + w)
         low |= (h << 4) & 0x10101010
         high |= h & 0x10101010
     elif KIND == 4:
@@ -167,10 +188,12 @@ def _code_words(quants, at, high_words, h_now, KIND: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(scales, sub, supers, b, n_safe, N, KIND: tl.constexpr):
+def _block_scales(scales, sub, supers, b0, bb, n_safe, N, KIND: tl.constexpr):
     """Each (row, block)'s float16 scale of its first and second 16 weights
     and the offset of each half (``weight = s * code - offset``; IQ4's codes
-    carry +128)."""
+    carry +128), for blocks ``b0 + bb``. A step's blocks share one
+    superblock (``b0 % 8 == 0``, ``BLOCK_B <= 8``): its scales load once."""
+    b = b0 + bb
     if KIND <= 1:
         d = tl.load(scales + b[None, :] * N + n_safe[:, None])
         off = d * 8.0 if KIND == 1 else d * 0.0
@@ -182,7 +205,7 @@ def _block_scales(scales, sub, supers, b, n_safe, N, KIND: tl.constexpr):
         off = dmin * 16.0 if KIND == 7 else dmin
         return d, d, off, off
     s = tl.load(sub + b[None, :] * N + n_safe[:, None]).to(tl.int32)
-    sup = tl.load(supers + (b // 8)[None, :] * N + n_safe[:, None])
+    sup = tl.load(supers + (b0 // 8) * N + n_safe)[:, None]
     d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if KIND == 4:  # Q6_K: a signed scale per 16 weights; codes carry +32
         s0 = (d * ((s << 24) >> 24).to(tl.float32)).to(tl.float16)
@@ -199,24 +222,28 @@ def _block_scales(scales, sub, supers, b, n_safe, N, KIND: tl.constexpr):
 
 @triton.jit
 def _gemv_mma_kernel(
-    xt, xscale, xsums, quants, high_words, scales, sub, supers, codebook, out, M, N, KB, blocks_per_split,
+    xt, xscale, xsums, quants, high_words, scales, sub, supers, codebook, word_index, out, M, N, KB,
+    blocks_per_split,
     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    # xt:      float16 [K, 16]: x's rows scaled into [-1, 1], column m row m, column 8 + m its rounding's
-    #          residual (zeros past M); xscale float32 [8] the scales; xsums float16 [K / 16, 16]: xt's
+    # xt:      float16 [K, 8]: x's rows scaled into [-1, 1], column m row m (zeros past M); xscale
+    #          float32 [8] the scales; xsums float16 [K / 16, 8]: xt's
     #          sums over each 16 rows
     # quants:  the planes' codes as bytes, [N, K] (Q8_0: int8) or [N, K / 2] (uint8, Q4_0 order)
-    # high_words: int32 Q5_K [N, KB], Q6_K [N, 2 KB]; codebook int32 [16] IQ4's values + 128 (plain form)
+    # high_words: int32 Q5_K [N, KB], Q6_K [N, 2 KB]; codebook int32 [16] IQ4's values + 128 (plain form);
+    #          word_index int32 [4] 0..3
     # scales:  float16 [KB, N] (Q8_0, Q4_0); sub int16 [KB, N] and supers int32 [KB / 8, N] (others)
     # out:     float32 [splits, M, N]; grid (cdiv(N, BLOCK_N), splits): rows pn*BLOCK_N.. over blocks
     #          ps*blocks_per_split.. of 32 weights, BLOCK_B at a time: two [BLOCK_N, BLOCK_B * 16] float16
     #          tiles (each block's 32 weights in two sixteens, in _weight_order), each times its rows of x,
     #          and (but Q8_0) the offsets' tile [BLOCK_N, 2 * BLOCK_B] times x's sums
     # Offsets within a program are int32 from its first row's, computed once; an iteration adds its start.
+    tl.static_assert(8 % BLOCK_B == 0)  # a step's blocks in one superblock (_block_scales)
     pn = tl.program_id(0)
     ps = tl.program_id(1)
     BYTES: tl.constexpr = 32 if KIND == 0 else 16  # code bytes a block
     HIGH: tl.constexpr = 1 if (KIND == 3 or KIND >= 7) else 2 if KIND == 4 else 0  # high words a block
+    HIGH_TIMES_16: tl.constexpr = KIND == 1 or KIND == 2 or KIND == 6  # Q4_0, Q4_K, Q4_1 (_code_words)
     local = tl.arange(0, BLOCK_N)
     n = pn * BLOCK_N + local
     n_in = n < N
@@ -227,17 +254,19 @@ def _gemv_mma_kernel(
     i = tl.arange(0, 16)
     bb = tl.arange(0, BLOCK_B)
     k = tl.arange(0, BLOCK_B * 16)
-    m = tl.arange(0, 16)
+    m = tl.arange(0, X_ROWS)
     q_at = local[:, None, None] * (KB * BYTES) + bb[None, :, None] * BYTES
+    w_at = q_at // 4  # in words
     h_at = local[:, None] * (KB * HIGH) + bb[None, :] * HIGH
-    x0_at = ((k // 16) * 32 + _weight_order(k % 16, 0, KIND))[:, None] * 16 + m[None, :]
-    x1_at = ((k // 16) * 32 + _weight_order(k % 16, 1, KIND))[:, None] * 16 + m[None, :]
-    sums_at = tl.arange(0, 2 * BLOCK_B)[:, None] * 16 + m[None, :]
+    x0_at = ((k // 16) * 32 + _weight_order(k % 16, 0, KIND))[:, None] * X_ROWS + m[None, :]
+    x1_at = ((k // 16) * 32 + _weight_order(k % 16, 1, KIND))[:, None] * X_ROWS + m[None, :]
+    sums_at = tl.arange(0, 2 * BLOCK_B)[:, None] * X_ROWS + m[None, :]
     b_start = ps * blocks_per_split
     b_stop = tl.minimum(b_start + blocks_per_split, KB)
-    acc = tl.zeros((BLOCK_N, 16), tl.float32)
+    acc = tl.zeros((BLOCK_N, X_ROWS), tl.float32)
+    acc16 = tl.zeros((BLOCK_N, X_ROWS), tl.float32)  # 16 x the high nibbles' products (HIGH_TIMES_16)
     for b0 in range(b_start, b_stop, BLOCK_B):
-        s0, s1, off0, off1 = _block_scales(scales, sub, supers, b0 + bb, n_safe, N, KIND)
+        s0, s1, off0, off1 = _block_scales(scales, sub, supers, b0, bb, n_safe, N, KIND)
         at = q_at + b0 * BYTES
         if KIND == 0:
             if USE_ASM:
@@ -257,53 +286,52 @@ def _gemv_mma_kernel(
                     t0 = _plain_tile(quants, at, codebook, i, 0, KIND)
                     t1 = _plain_tile(quants, at, codebook, i, 1, KIND)
             else:  # the same masks either way; the bytes become float16 by prmt (USE_ASM) or by shifts
-                low, high = _code_words(quants, at, high_words, h_now, KIND)
+                low, high = _code_words(quants, w_at + b0 * (BYTES // 4), high_words, h_now, word_index, KIND)
                 t0 = _word_tile(low, USE_ASM)
                 t1 = _word_tile(high, USE_ASM)
             # code x s exactly (one rounding): the exponent's 1024 times s is exact
             t0 = tl.fma(t0, s0[:, :, None], (s0 * -1024.0)[:, :, None])
             t1 = tl.fma(t1, s1[:, :, None], (s1 * -1024.0)[:, :, None])
-        x0 = tl.load(xt + x0_at + b0 * (32 * 16))
-        x1 = tl.load(xt + x1_at + b0 * (32 * 16))
+        x0 = tl.load(xt + x0_at + b0 * (32 * X_ROWS))
+        x1 = tl.load(xt + x1_at + b0 * (32 * X_ROWS))
         acc = tl.dot(t0.reshape(BLOCK_N, BLOCK_B * 16), x0, acc)
-        acc = tl.dot(t1.reshape(BLOCK_N, BLOCK_B * 16), x1, acc)
+        if HIGH_TIMES_16:
+            acc16 = tl.dot(t1.reshape(BLOCK_N, BLOCK_B * 16), x1, acc16)
+        else:
+            acc = tl.dot(t1.reshape(BLOCK_N, BLOCK_B * 16), x1, acc)
         if KIND != 0:  # the offsets: -offset of each 16 weights against x's sum over them
             offsets = tl.join(-off0, -off1).reshape(BLOCK_N, 2 * BLOCK_B)
-            acc = tl.dot(offsets, tl.load(xsums + sums_at + b0 * (2 * 16)), acc)
-    # column m + 8 holds the products with row m's residual: their sum is the row's
-    acc = tl.sum(acc.reshape(BLOCK_N, 2, 8), axis=1)
-    m8 = tl.arange(0, 8)
-    sx = tl.load(xscale + m8)
-    tl.store(out + (ps * M + m8[None, :]) * N + n[:, None], acc * sx[None, :], mask=n_in[:, None] & (m8 < M)[None, :])
+            acc = tl.dot(offsets, tl.load(xsums + sums_at + b0 * (2 * X_ROWS)), acc)
+    acc += acc16 * 0.0625
+    sx = tl.load(xscale + m)
+    tl.store(out + (ps * M + m[None, :]) * N + n[:, None], acc * sx[None, :], mask=n_in[:, None] & (m < M)[None, :])
 
 
 def prepare_mma(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x ``[M, K]`` (M <= 8) as the kernel reads it: ``[K, 16]`` float16,
-    column ``m`` row ``m`` over its largest magnitude rounded to float16 and
-    column ``8 + m`` what that rounding left (the tensor cores' spare
-    columns: x to about 22 bits, for nothing), the sums of each column over
-    each 16 values ``[K / 16, 16]`` (float16 of their float32 sums), and the
-    magnitudes ``[8]``."""
+    """x ``[M, K]`` (M <= 8) as the kernel reads it: ``[K, 8]`` float16,
+    column ``m`` row ``m`` over its largest magnitude rounded to float16
+    (zeros past M), the sums of each column over each 16 values ``[K / 16,
+    8]`` (float16 of their float32 sums), and the magnitudes ``[8]``."""
     m, k = x.shape
     xf = x.float()
     scale = xf.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    scaled = (xf / scale[:, None]).T
-    xt = torch.zeros((k, X_ROWS), dtype=torch.float16, device=x.device)
-    xt[:, :m] = scaled.to(torch.float16)
-    xt[:, MAX_ROWS:MAX_ROWS + m] = (scaled - xt[:, :m].float()).to(torch.float16)
-    sums = xt.float().view(k // 16, 16, X_ROWS).sum(dim=1).to(torch.float16)
+    xt = torch.zeros((k, MAX_ROWS), dtype=torch.float16, device=x.device)
+    xt[:, :m] = (xf / scale[:, None]).T.to(torch.float16)
+    sums = xt.float().view(k // 16, 16, MAX_ROWS).sum(dim=1).to(torch.float16)
     scales = torch.zeros(MAX_ROWS, dtype=torch.float32, device=x.device)
     scales[:m] = scale
     return xt, scales, sums
 
 
-_CODEBOOKS: dict[torch.device, torch.Tensor] = {}
+_CODEBOOKS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _codebook(device: torch.device) -> torch.Tensor:
-    """IQ4's codebook + 128 as int32 (what the plain form looks up)."""
+def _codebook(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4's codebook + 128 as int32 (what the plain form looks up) and the
+    word indices 0..3 (int32)."""
     if device not in _CODEBOOKS:
-        _CODEBOOKS[device] = (lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous()
+        _CODEBOOKS[device] = ((lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous(),
+                              torch.arange(4, dtype=torch.int32, device=device))
     return _CODEBOOKS[device]
 
 
@@ -336,7 +364,7 @@ def gemv_mma(x: torch.Tensor, planes: WordPlanes, prepared: tuple | None = None,
         xt, xscale, xsums, codes, planes.high if planes.high is not None else empty,
         planes.scales if planes.scales is not None else empty,
         planes.sub if planes.sub is not None else empty, planes.supers if planes.supers is not None else empty,
-        _codebook(x.device), out, m, planes.rows, kb, per_split,
+        *_codebook(x.device), out, m, planes.rows, kb, per_split,
         **{**launch.constexprs, "USE_ASM": x.is_cuda if use_asm is None else use_asm}, num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     return out.sum(dim=0).to(x.dtype)

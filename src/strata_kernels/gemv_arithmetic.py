@@ -13,8 +13,8 @@ holds each kernel, run by the interpreter, to it.
   codes, scaled: x's codes times the exact weights.
 - The tensor-core GEMV (2-8 rows): each weight's ``code x scale`` rounded
   once to float16 (the type's offset apart), x per row over its largest
-  magnitude as a float16 and its float16 residual, the offsets against
-  x's sums over 16 rounded to float16.
+  magnitude as a float16, the offsets against x's sums over 16 rounded to
+  float16.
 - A prompt's rows (the dense path): the exact weights, ``x @ W.T``.
 
 ``planes_arithmetic(x, planes, path)`` computes ``qmatmul.gemv_path``'s path.
@@ -114,19 +114,16 @@ def mma_weights(planes: WordPlanes) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mma_arithmetic(x: torch.Tensor, planes: WordPlanes) -> torch.Tensor:
-    """``gemv_mma``'s result (``prepare_mma``'s x: float16 and its residual
-    per row over max |x|; the offsets against float16 sums over 16)."""
+    """``gemv_mma``'s result (``prepare_mma``'s x: float16 per row over max
+    |x|; the offsets against float16 sums over 16)."""
     m, k = x.shape
     xf = x.float()
     magnitude = xf.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    scaled = xf / magnitude
-    high = scaled.half()
-    low = (scaled - high.float()).half()
+    rounded = (xf / magnitude).half()
     tiles, offset = _kept(planes, "mma", lambda: mma_weights(planes))
     wide = tiles.dtype
-    sums = lambda part: part.float().view(m, k // HALF, HALF).sum(dim=2)  # noqa: E731 (float32, as prepared)
-    rounded_sums = sums(high).half().to(wide) + sums(low).half().to(wide)
-    out = (high.to(wide) + low.to(wide)) @ tiles.T - rounded_sums @ offset.T
+    rounded_sums = rounded.float().view(m, k // HALF, HALF).sum(dim=2).half().to(wide)  # float32, as prepared
+    out = rounded.to(wide) @ tiles.T - rounded_sums @ offset.T
     return (out * magnitude.to(wide)).to(x.dtype)
 
 

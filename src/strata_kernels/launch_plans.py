@@ -159,7 +159,7 @@ def gemv_mma_config(qtype: int) -> KernelConfig:
     pointers = {"xt": "*fp16", "xscale": "*fp32", "xsums": "*fp16",
                 "quants": "*i8" if T(qtype) == T.Q8_0 else "*u8", "high_words": "*i32",
                 "scales": "*i32" if superblocks else "*fp16", "sub": "*i16" if superblocks else "*i32",
-                "supers": "*i32", "codebook": "*i32", "out": "*fp32"}
+                "supers": "*i32", "codebook": "*i32", "word_index": "*i32", "out": "*fp32"}
     return _config("_triton_gemv_mma", "_gemv_mma_kernel", _label(f"{T(qtype).name} mma", launch, "f16"), launch,
                    pointers, decode=True)
 

@@ -145,12 +145,17 @@ MMA_KINDS = {T.Q8_0: 0, T.Q4_0: 1, **WORD_KINDS}
 
 
 def gemv_mma_launch(qtype: int) -> KernelLaunch:
-    """32 rows by 8 blocks of 32 weights a step, two warps: each warp's 16 rows
+    """64 rows by 8 blocks of 32 weights a step, two warps: each warp's 32 rows
     are its own (four warps over 32 rows converted every weight twice: 187
-    against 111 instructions per KiB of Q8_0 on sm_90)."""
+    against 111 instructions per KiB of Q8_0 on sm_90), two tiles of 16 rows
+    sharing each load of x (32 rows a warp: 120 against 115 for Q4_0, 133
+    against 125 for Q4_K, 153 against 143 for Q5_K; up to 192 registers,
+    no spills). Q6_K keeps 32 rows: at 64 its 192 registers leave an RTX 3090
+    too few warps (estimated 53% of copy bandwidth against 90%)."""
     # Two pipeline stages: three took twice the shared memory and no fewer instructions (sm_86 occupancy
     # 0.08 against 0.21 for Q8_0); one took more registers and, for Q4_K, more instructions.
-    return KernelLaunch({"KIND": MMA_KINDS[T(qtype)], "BLOCK_N": 32, "BLOCK_B": 8, "USE_ASM": True}, 2, 2)
+    rows = 32 if T(qtype) == T.Q6_K else 64
+    return KernelLaunch({"KIND": MMA_KINDS[T(qtype)], "BLOCK_N": rows, "BLOCK_B": 8, "USE_ASM": True}, 2, 2)
 
 
 def gemv_mma_config(qtype: int) -> KernelConfig:

@@ -13,9 +13,9 @@ tile's codes are loaded as int32 and made words of whole code bytes in
 registers (the four low nibbles, the four high ones: a mask, a shift and a
 mask, or for Q4_0, Q4_K and Q4_1 a mask alone, each byte 16 x its code and
 those products divided by 16 once at the end; Q5_K, Q5_0, Q5_1 and Q6_K or
-their high bits in, shifted and masked; every constant an immediate), and each byte a float16 1024 + code by
-``prmt`` with 0x64 bytes, one instruction a pair, the tile joined from the
-words in registers. (Masking each pair into the mantissa inside one PTX
+their high bits in, shifted and masked; every constant an immediate), and
+each byte a float16 1024 + code by ``prmt`` with 0x64 bytes, one
+instruction a pair, the tile joined from the words in registers. (Masking each pair into the mantissa inside one PTX
 block, 1024 + code and 64 + code, took a register constant per ``lop3``
 that ptxas re-made at every use, and a block taking the high words beside
 the code bytes cost a register copy per operand: 187 against 160
@@ -227,8 +227,7 @@ def _gemv_mma_kernel(
     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     # xt:      float16 [K, 8]: x's rows scaled into [-1, 1], column m row m (zeros past M); xscale
-    #          float32 [8] the scales; xsums float16 [K / 16, 8]: xt's
-    #          sums over each 16 rows
+    #          float32 [8] the scales; xsums float16 [K / 16, 8]: xt's sums over each 16 rows
     # quants:  the planes' codes as bytes, [N, K] (Q8_0: int8) or [N, K / 2] (uint8, Q4_0 order)
     # high_words: int32 Q5_K [N, KB], Q6_K [N, 2 KB]; codebook int32 [16] IQ4's values + 128 (plain form);
     #          word_index int32 [4] 0..3

@@ -322,16 +322,16 @@ def prepare_mma(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return xt, scales, sums
 
 
-_CODEBOOKS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _codebook(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """IQ4's codebook + 128 as int32 (what the plain form looks up) and the
     word indices 0..3 (int32)."""
-    if device not in _CODEBOOKS:
-        _CODEBOOKS[device] = ((lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous(),
+    if device not in _TABLES:
+        _TABLES[device] = ((lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous(),
                               torch.arange(4, dtype=torch.int32, device=device))
-    return _CODEBOOKS[device]
+    return _TABLES[device]
 
 
 def gemv_mma(x: torch.Tensor, planes: WordPlanes, prepared: tuple | None = None,
@@ -363,7 +363,7 @@ def gemv_mma(x: torch.Tensor, planes: WordPlanes, prepared: tuple | None = None,
         xt, xscale, xsums, codes, planes.high if planes.high is not None else empty,
         planes.scales if planes.scales is not None else empty,
         planes.sub if planes.sub is not None else empty, planes.supers if planes.supers is not None else empty,
-        *_codebook(x.device), out, m, planes.rows, kb, per_split,
+        *_tables(x.device), out, m, planes.rows, kb, per_split,
         **{**launch.constexprs, "USE_ASM": x.is_cuda if use_asm is None else use_asm}, num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     return out.sum(dim=0).to(x.dtype)

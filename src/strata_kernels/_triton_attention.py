@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_convert import KEY_BIAS, WORD_BYTES_BIASED, word_bytes_to_f16, word_iq4_levels_to_f16
+from ._triton_convert import KEY_BIAS, WORD_BYTES_BIASED, operand_order, word_bytes_to_f16, word_iq4_levels_to_f16
 from .kv_quant import KVStore
 from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
@@ -151,8 +151,7 @@ def _attention_kernel(
     queries = ()
     starts_at = ()  # each quantized key group's dot starts here: minus its codes' offset's share
     for g in tl.static_range(KG):
-        # a quantized key group's order (_group_tile): position 8h + 2w + o of a 16 holds its value 4w + 2h + o
-        qd = kd if FMT == 0 else (kd // 16) * 16 + 4 * ((kd // 2) % 4) + 2 * ((kd // 8) % 2) + kd % 2
+        qd = kd if FMT == 0 else (kd // 16) * 16 + operand_order(kd)  # a quantized key group's (_group_tile)
         qg = tl.load(q + q_row[:, None] * D + g * KW + qd[None, :], mask=row_ok[:, None], other=0.0)
         qg = (qg.to(tl.float32) * (scale * 1.4426950408889634)).to(operand)
         queries = queries + (qg,)

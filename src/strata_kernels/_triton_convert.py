@@ -108,6 +108,17 @@ WORD_IQ4_LEVELS = tl.constexpr("""{
 
 
 @triton.jit
+def operand_order(i):
+    """The byte at position ``i`` (mod 16) of a 16 whose four int32 words are
+    laid out where the tensor cores' operand has the lane that loaded each
+    word hold its bytes: byte 2h + o of word w sits at 8h + 2w + o (an
+    ``mma`` operand holds positions 2L, 2L + 1, 2L + 8, 2L + 9 in lane L % 4).
+    A tile converted from words in this order stays in registers; the
+    other operand is read in it (x's rows, the queries)."""
+    return 4 * ((i // 2) % 4) + 2 * ((i // 8) % 2) + i % 2
+
+
+@triton.jit
 def _iq4_level(code):
     """IQ4_NL's level of a 4-bit code (plain Triton: the 16 bytes of the
     table as four words, the code's byte shifted out)."""

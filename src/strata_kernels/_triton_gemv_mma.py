@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from ._triton_convert import WORD_PLUS_1024, bytes_to_f16
+from ._triton_convert import WORD_PLUS_1024, bytes_to_f16, operand_order
 from .formats import lookup_table
 from .launch import split_k
 from .launch_plans import MMA_KINDS, gemv_mma_launch
@@ -105,9 +105,7 @@ def _weight_order(i, TILE: tl.constexpr, KIND: tl.constexpr):
         return i + 16 * TILE
     if KIND == 5:  # IQ4: a byte's two nibbles together, bytes 0, 1 of a word in tile 0, bytes 2, 3 in tile 1
         return 4 * w + 2 * TILE + e // 2 + 16 * (e % 2)
-    # byte 2h + o of word w at position 8h + 2w + o, tile 1 the high nibbles: the tensor cores' A operand
-    # holds positions 2L, 2L + 1, 2L + 8, 2L + 9 of a 16 in lane L % 4, so a lane's word becomes its registers
-    return 4 * ((i // 2) % 4) + 2 * (i // 8) + i % 2 + 16 * TILE
+    return operand_order(i) + 16 * TILE  # tile 1 the high nibbles
 
 
 @triton.jit
@@ -151,7 +149,7 @@ def _word_tile(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _code_words(quants, at, high_words, h_now, word_index, KIND: tl.constexpr):
+def _code_words(quants, at, high_words, h_now, word_index, KIND: tl.constexpr, HIGH_TIMES_16: tl.constexpr):
     """A nibble type's codes of the blocks at word offsets ``at`` ``[N, B,
     1]`` as whole bytes: the words of the four low-nibble codes (weights
     4w..4w+3 of the block) and of the four high-nibble ones (16 + 4w..),
@@ -171,7 +169,7 @@ def _code_words(quants, at, high_words, h_now, word_index, KIND: tl.constexpr):
     w = tl.arange(0, 4)[None, None, :]
     words = tl.load(quants.to(tl.pointer_type(tl.int32), bitcast=True) + at + w)
     low = words & 0x0F0F0F0F
-    if KIND == 1 or KIND == 2 or KIND == 6:  # HIGH_TIMES_16
+    if HIGH_TIMES_16:
         high = words & -0x0F0F0F10  # 0xF0F0F0F0
     else:
         high = (words >> 4) & 0x0F0F0F0F
@@ -285,7 +283,8 @@ def _gemv_mma_kernel(
                     t0 = _plain_tile(quants, at, codebook, i, 0, KIND)
                     t1 = _plain_tile(quants, at, codebook, i, 1, KIND)
             else:  # the same masks either way; the bytes become float16 by prmt (USE_ASM) or by shifts
-                low, high = _code_words(quants, w_at + b0 * (BYTES // 4), high_words, h_now, word_index, KIND)
+                low, high = _code_words(quants, w_at + b0 * (BYTES // 4), high_words, h_now, word_index, KIND,
+                                         HIGH_TIMES_16)
                 t0 = _word_tile(low, USE_ASM)
                 t1 = _word_tile(high, USE_ASM)
             # code x s exactly (one rounding): the exponent's 1024 times s is exact

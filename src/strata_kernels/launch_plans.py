@@ -151,7 +151,7 @@ def gemv_mma_launch(qtype: int) -> KernelLaunch:
     sharing each load of x (32 rows a warp: 120 against 115 for Q4_0, 133
     against 125 for Q4_K, 153 against 143 for Q5_K; up to 192 registers,
     no spills). Q6_K keeps 32 rows: at 64 its 192 registers leave an RTX 3090
-    too few warps (estimated 53% of copy bandwidth against 90%)."""
+    too few warps (estimated 53% of copy bandwidth against 100%)."""
     # Two pipeline stages: three took twice the shared memory and no fewer instructions (sm_86 occupancy
     # 0.08 against 0.21 for Q8_0); one took more registers and, for Q4_K, more instructions.
     rows = 32 if T(qtype) == T.Q6_K else 64

@@ -53,7 +53,7 @@ def test_every_high_bit_lands_on_its_own_weight(qtype):
         word, byte = divmod(within, 4)
         high = planes.high.clone().view(torch.uint8)
         if qtype == T.Q5_K:
-            high[0, 4 * chunk + byte] ^= 1 << (word + 4 * half)
+            high[0, 4 * chunk + byte] ^= 1 << (word + 4 - 4 * half)
         else:
             high[0, 8 * chunk + 4 * half + byte] ^= 1 << (2 * word)
         flipped = dequantize_planes(WordPlanes(qtype, 1, 256, planes.quants, high=high.view(torch.int32),

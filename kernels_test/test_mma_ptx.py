@@ -151,6 +151,23 @@ def test_a_word_of_code_bytes_becomes_1024_plus_each_byte():
     assert np.array_equal(got.astype(np.float64), 1024.0 + data)
 
 
+def test_a_word_of_code_bytes_with_a_word_of_top_bytes_becomes_their_float16s():
+    """The Q5 and Q6_K tiles' last step: byte k of the codes' word the low
+    byte of float16 k, byte k of the tops' word (0x64 + the code's bits above
+    its byte) the high one: 1024 + 256 x those bits + the byte, every byte
+    value in every position."""
+    from strata_kernels._triton_gemv_mma import WORD_TOP_PAIRS
+
+    rng = np.random.default_rng(8)
+    data = np.concatenate([np.arange(256, dtype=np.uint8).repeat(4), rng.integers(0, 256, 4096, dtype=np.uint8)])
+    bits = rng.integers(0, 4, data.size, dtype=np.uint8)
+    words = data.view(np.uint32).astype(np.uint64)
+    tops = (bits + 0x64).astype(np.uint8).view(np.uint32).astype(np.uint64)
+    out = run_ptx(WORD_TOP_PAIRS.value, {4: words, 5: tops}, 4)
+    got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1).reshape(-1)
+    assert np.array_equal(got.astype(np.float64), 1024.0 + 256.0 * bits + data)
+
+
 def test_the_interpreter_reads_prmt_as_ptx_defines_it():
     """prmt's selectors: bytes of b:a by the low 3 bits, bit 3 the sign."""
     a, b = np.uint64(0x33221100), np.uint64(0xF7665544)

@@ -10,12 +10,15 @@ weights.
 
 The conversion is what remains, so it is cut to the bone. The words of a
 tile's codes are loaded as int32 and made words of whole code bytes in
-registers (the four low nibbles, the four high ones: a mask, a shift and a
-mask, or for Q4_0, Q4_K and Q4_1 a mask alone, each byte 16 x its code and
-those products divided by 16 once at the end; Q5_K, Q5_0, Q5_1 and Q6_K or
-their high bits in, shifted and masked; every constant an immediate), and
-each byte a float16 1024 + code by ``prmt`` with 0x64 bytes, one
-instruction a pair, the tile joined from the words in registers. (Masking each pair into the mantissa inside one PTX
+registers (the four low nibbles by a mask; the four high ones masked where
+they are, each byte 16 x its code, those products divided by 16 once at the
+end), and each byte a float16 1024 + code by ``prmt`` with 0x64 bytes, one
+instruction a pair, the tile joined from the words in registers. Bits above
+a nibble go where they cost least (``_code_words``): a Q5 type's fifth bit
+of a low nibble into its byte, of a high one into the float16's top byte
+(0x64 + bit: 256 = 16 x 16), which ``prmt`` takes from a word beside the
+codes; Q6_K's two bits into the top bytes of both tiles, each 16 x the code.
+(Masking each pair into the mantissa inside one PTX
 block, 1024 + code and 64 + code, took a register constant per ``lop3``
 that ptxas re-made at every use, and a block taking the high words beside
 the code bytes cost a register copy per operand: 187 against 160
@@ -148,41 +151,72 @@ def _word_tile(words, USE_ASM: tl.constexpr):
     return tile.reshape(words.shape[0], words.shape[1], 16)
 
 
+# An int32 word of four code bytes in $4 and of the four float16s' top bytes in $5 -> the float16s in $0..$3
+# (byte k of each: bits 0-7 and 8-15 of the k-th), by one prmt a pair.
+WORD_TOP_PAIRS = tl.constexpr("""{
+    .reg .b32 lo, hi;
+    prmt.b32 lo, $4, $5, 0x5140;
+    prmt.b32 hi, $4, $5, 0x7362;
+    mov.b32 {$0, $1}, lo;
+    mov.b32 {$2, $3}, hi;
+    }""")
+
+
 @triton.jit
-def _code_words(quants, at, high_words, h_now, word_index, KIND: tl.constexpr, HIGH_TIMES_16: tl.constexpr):
+def _word_top_tile(words, top, USE_ASM: tl.constexpr):
+    """``_word_tile`` with each float16's top byte from ``top`` (0x64 plus
+    the code's bits above its byte, 256 each) instead of 0x64."""
+    if USE_ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_TOP_PAIRS, "=h,=h,=h,=h,r,r", [words, top],
+                                                   dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:  # what prmt does: byte k of words the low byte, byte k of top the high one
+        b0 = ((words & 0xFF) | ((top & 0xFF) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        b1 = (((words >> 8) & 0xFF) | (top & 0xFF00)).to(tl.int16).to(tl.float16, bitcast=True)
+        b2 = (((words >> 16) & 0xFF) | ((top >> 8) & 0xFF00)).to(tl.int16).to(tl.float16, bitcast=True)
+        b3 = (((words >> 24) & 0xFF) | ((top >> 16) & 0xFF00)).to(tl.int16).to(tl.float16, bitcast=True)
+    tile = tl.join(tl.join(b0, b1), tl.join(b2, b3)).permute(0, 1, 4, 2, 3)
+    return tile.reshape(words.shape[0], words.shape[1], 16)
+
+
+@triton.jit
+def _code_words(quants, at, high_words, h_now, word_table, KIND: tl.constexpr):
     """A nibble type's codes of the blocks at word offsets ``at`` ``[N, B,
-    1]`` as whole bytes: the words of the four low-nibble codes (weights
-    4w..4w+3 of the block) and of the four high-nibble ones (16 + 4w..),
-    ``[N, B, 4]`` int32 each. The plain 4-bit types' high nibbles are
-    masked where they are, each byte 16 x its code (``HIGH_TIMES_16``: no
-    shift, 16 instructions an iteration; their products are kept apart and
-    divided by 16 at the end). Q5_K, Q5_0, Q5_1 or in the fifth bit (byte j's
-    low nibble's at bit 8j of the block's high word shifted right by the
-    word's index, its high nibble's at 8j + 4), Q6_K its two high bits
-    (bits 8j, 8j + 1 of the first (second) high word shifted right by twice
-    the index, the top one stored flipped). Every constant an immediate.
-    The fifth bits' shift is by the word's index as loaded from
-    ``word_index`` (0..3): shifted by a made range, the tiles went through
-    shared memory (158 against 173 instructions per KiB of Q5_K on sm_90).
-    Q6_K keeps the range: its two high words in the tensor cores' layout
-    took more instructions than the trip (164 against 155)."""
+    1]`` as words of whole bytes, ``[N, B, 4]`` int32 each: ``low`` (weights
+    4w..4w+3 of the block), ``low_top``, ``high`` (16 + 4w..), ``high_top``.
+    A high nibble is masked where it is, each byte 16 x its code (no shift;
+    those products are kept apart and divided by 16 at the end). Where a code
+    has bits above its nibble, a ``top`` word holds each float16's top byte,
+    0x64 + those bits (256 each: 16 x 16) for ``_word_top_tile``: Q5_K, Q5_0
+    and Q5_1 put their high nibbles' fifth bits there and or the low ones'
+    into the byte (their high word shifted right by the word's index: the
+    low nibble's at bit 4 of byte j, the high one's at bit 0), Q6_K both
+    halves' two bits (its low nibbles shifted up to 16 x too; the bits'
+    stored top bit flipped back by the xor). Otherwise the tops are unused.
+    The shifts and the masks come from ``word_table`` (0..3, 0x01010101 and
+    0x03030303 four times each, 0, 2, 4, 6) as loaded values: a made range
+    there sent the tiles through shared memory (158 against 173 instructions
+    per KiB of Q5_K on sm_90), and a mask beside the 0x64 immediate was made
+    again by ptxas at every use (772 against 741 instructions an iteration
+    of Q5_K). Q6_K's two high words a block load as one run of the row's
+    (``h_now`` ``[N, 2 B]``): loaded as pairs they took 8-byte loads from
+    shared memory (867 against 829 an iteration)."""
     w = tl.arange(0, 4)[None, None, :]
     words = tl.load(quants.to(tl.pointer_type(tl.int32), bitcast=True) + at + w)
+    high = words & -0x0F0F0F10  # 0xF0F0F0F0
+    if KIND == 4:  # h_now [N, 2 B]: the blocks' high words, two a block
+        h_low, h_high = tl.split(tl.load(high_words + h_now).reshape(h_now.shape[0], h_now.shape[1] // 2, 2))
+        twos = tl.load(word_table + 8 + w)
+        shift = tl.load(word_table + 12 + w)
+        low = (words << 4) & -0x0F0F0F10
+        low_top = ((h_low[:, :, None] >> shift) & twos) ^ 0x66666666
+        high_top = ((h_high[:, :, None] >> shift) & twos) ^ 0x66666666
+        return low, low_top, high, high_top
     low = words & 0x0F0F0F0F
-    if HIGH_TIMES_16:
-        high = words & -0x0F0F0F10  # 0xF0F0F0F0
-    else:
-        high = (words >> 4) & 0x0F0F0F0F
     if KIND == 3 or KIND >= 7:
-        h = tl.load(high_words + h_now)[:, :, None] >> tl.load(word_index + w)
-        low |= (h << 4) & 0x10101010
-        high |= h & 0x10101010
-    elif KIND == 4:
-        h = tl.load(high_words + h_now)[:, :, None] >> (2 * w)
-        low |= ((h << 4) & 0x30303030) ^ 0x20202020
-        h = tl.load(high_words + h_now + 1)[:, :, None] >> (2 * w)
-        high |= ((h << 4) & 0x30303030) ^ 0x20202020
-    return low, high
+        h = tl.load(high_words + h_now)[:, :, None] >> tl.load(word_table + w)
+        low |= h & 0x10101010
+        return low, low, high, (h & tl.load(word_table + 4 + w)) | 0x64646464
+    return low, low, high, high
 
 
 @triton.jit
@@ -220,7 +254,7 @@ def _block_scales(scales, sub, supers, b0, bb, n_safe, N, KIND: tl.constexpr):
 
 @triton.jit
 def _gemv_mma_kernel(
-    xt, xscale, xsums, quants, high_words, scales, sub, supers, codebook, word_index, out, M, N, KB,
+    xt, xscale, xsums, quants, high_words, scales, sub, supers, codebook, word_table, out, M, N, KB,
     blocks_per_split,
     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_ASM: tl.constexpr,
 ):
@@ -228,7 +262,7 @@ def _gemv_mma_kernel(
     #          float32 [8] the scales; xsums float16 [K / 16, 8]: xt's sums over each 16 rows
     # quants:  the planes' codes as bytes, [N, K] (Q8_0: int8) or [N, K / 2] (uint8, Q4_0 order)
     # high_words: int32 Q5_K [N, KB], Q6_K [N, 2 KB]; codebook int32 [16] IQ4's values + 128 (plain form);
-    #          word_index int32 [4] 0..3
+    #          word_table int32 [16] (_code_words)
     # scales:  float16 [KB, N] (Q8_0, Q4_0); sub int16 [KB, N] and supers int32 [KB / 8, N] (others)
     # out:     float32 [splits, M, N]; grid (cdiv(N, BLOCK_N), splits): rows pn*BLOCK_N.. over blocks
     #          ps*blocks_per_split.. of 32 weights, BLOCK_B at a time: two [BLOCK_N, BLOCK_B * 16] float16
@@ -240,7 +274,11 @@ def _gemv_mma_kernel(
     ps = tl.program_id(1)
     BYTES: tl.constexpr = 32 if KIND == 0 else 16  # code bytes a block
     HIGH: tl.constexpr = 1 if (KIND == 3 or KIND >= 7) else 2 if KIND == 4 else 0  # high words a block
-    HIGH_TIMES_16: tl.constexpr = KIND == 1 or KIND == 2 or KIND == 6  # Q4_0, Q4_K, Q4_1 (_code_words)
+    # Tiles of 16 x the code (_code_words): every nibble type's high nibbles, Q6_K's low ones too; and those
+    # with the bits above in the float16's top byte
+    HIGH_TIMES_16: tl.constexpr = KIND != 0 and KIND != 5
+    LOW_TIMES_16: tl.constexpr = KIND == 4
+    HIGH_TOP: tl.constexpr = HIGH > 0
     local = tl.arange(0, BLOCK_N)
     n = pn * BLOCK_N + local
     n_in = n < N
@@ -254,14 +292,17 @@ def _gemv_mma_kernel(
     m = tl.arange(0, X_ROWS)
     q_at = local[:, None, None] * (KB * BYTES) + bb[None, :, None] * BYTES
     w_at = q_at // 4  # in words
-    h_at = local[:, None] * (KB * HIGH) + bb[None, :] * HIGH
+    HIGH_RUN: tl.constexpr = (HIGH if HIGH > 0 else 1) * BLOCK_B  # a step's high words a row
+    h_at = local[:, None] * (KB * HIGH) + tl.arange(0, HIGH_RUN)[None, :]
     x0_at = ((k // 16) * 32 + _weight_order(k % 16, 0, KIND))[:, None] * X_ROWS + m[None, :]
     x1_at = ((k // 16) * 32 + _weight_order(k % 16, 1, KIND))[:, None] * X_ROWS + m[None, :]
     sums_at = tl.arange(0, 2 * BLOCK_B)[:, None] * X_ROWS + m[None, :]
-    b_start = ps * blocks_per_split
+    # blocks_per_split is a multiple of BLOCK_B; written so, the compiler sees BLOCK_B divide b_start and
+    # copies a row's high words 16 bytes at a time (Q5_K 742 -> 693 instructions a step on sm_90)
+    b_start = ps * (blocks_per_split // BLOCK_B) * BLOCK_B
     b_stop = tl.minimum(b_start + blocks_per_split, KB)
     acc = tl.zeros((BLOCK_N, X_ROWS), tl.float32)
-    acc16 = tl.zeros((BLOCK_N, X_ROWS), tl.float32)  # 16 x the high nibbles' products (HIGH_TIMES_16)
+    acc16 = tl.zeros((BLOCK_N, X_ROWS), tl.float32)  # the products of tiles of 16 x the code
     for b0 in range(b_start, b_stop, BLOCK_B):
         s0, s1, off0, off1 = _block_scales(scales, sub, supers, b0, bb, n_safe, N, KIND)
         at = q_at + b0 * BYTES
@@ -283,16 +324,25 @@ def _gemv_mma_kernel(
                     t0 = _plain_tile(quants, at, codebook, i, 0, KIND)
                     t1 = _plain_tile(quants, at, codebook, i, 1, KIND)
             else:  # the same masks either way; the bytes become float16 by prmt (USE_ASM) or by shifts
-                low, high = _code_words(quants, w_at + b0 * (BYTES // 4), high_words, h_now, word_index, KIND,
-                                         HIGH_TIMES_16)
-                t0 = _word_tile(low, USE_ASM)
-                t1 = _word_tile(high, USE_ASM)
+                low, low_top, high, high_top = _code_words(quants, w_at + b0 * (BYTES // 4), high_words, h_now,
+                                                           word_table, KIND)
+                if LOW_TIMES_16:
+                    t0 = _word_top_tile(low, low_top, USE_ASM)
+                else:
+                    t0 = _word_tile(low, USE_ASM)
+                if HIGH_TOP:
+                    t1 = _word_top_tile(high, high_top, USE_ASM)
+                else:
+                    t1 = _word_tile(high, USE_ASM)
             # code x s exactly (one rounding): the exponent's 1024 times s is exact
             t0 = tl.fma(t0, s0[:, :, None], (s0 * -1024.0)[:, :, None])
             t1 = tl.fma(t1, s1[:, :, None], (s1 * -1024.0)[:, :, None])
         x0 = tl.load(xt + x0_at + b0 * (32 * X_ROWS))
         x1 = tl.load(xt + x1_at + b0 * (32 * X_ROWS))
-        acc = tl.dot(t0.reshape(BLOCK_N, BLOCK_B * 16), x0, acc)
+        if LOW_TIMES_16:
+            acc16 = tl.dot(t0.reshape(BLOCK_N, BLOCK_B * 16), x0, acc16)
+        else:
+            acc = tl.dot(t0.reshape(BLOCK_N, BLOCK_B * 16), x0, acc)
         if HIGH_TIMES_16:
             acc16 = tl.dot(t1.reshape(BLOCK_N, BLOCK_B * 16), x1, acc16)
         else:
@@ -325,11 +375,13 @@ _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ4's codebook + 128 as int32 (what the plain form looks up) and the
-    word indices 0..3 (int32)."""
+    """IQ4's codebook + 128 as int32 (what the plain form looks up) and
+    ``_code_words``' table: the word indices 0..3, 0x01010101 and 0x03030303
+    four times each, twice the indices (int32)."""
     if device not in _TABLES:
+        words = [0, 1, 2, 3] + [0x01010101] * 4 + [0x03030303] * 4 + [0, 2, 4, 6]
         _TABLES[device] = ((lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous(),
-                              torch.arange(4, dtype=torch.int32, device=device))
+                           torch.tensor(words, dtype=torch.int32, device=device))
     return _TABLES[device]
 
 

@@ -153,11 +153,11 @@ def _superblock_words(q, high_words, h_off, j, KIND: tl.constexpr):
     ``[N, C, 4]`` and, for Q5_K and Q6_K, its high words at ``h_off`` ``[N, C]``:
     the low nibbles' words (weights 4i..4i+3) and the high nibbles'
     (16+4i..). Q6_K's bytes are 4 x (code - 32)."""
-    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: one high word a chunk, bit i (4 + i) of byte j above
+    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: one high word a chunk, bit 4 + i (i) of byte j above
         # weight 4i+j (16+4i+j)
         h = tl.load(high_words + h_off)[:, :, None]
-        low = (q & 0x0F0F0F0F) | ((h << (4 - j)) & 0x10101010)
-        high = ((q >> 4) & 0x0F0F0F0F) | ((h >> j) & 0x10101010)
+        low = (q & 0x0F0F0F0F) | ((h >> j) & 0x10101010)
+        high = ((q >> 4) & 0x0F0F0F0F) | ((h << (4 - j)) & 0x10101010)
     elif KIND == 4:  # Q6_K: two high words a chunk, bits 2i..2i+1 of byte j above weight 4i+j of each half
         # (-0x3F3F3F40 is 0xC0C0C0C0, the top two bits of each byte, as an int32)
         h_low = tl.load(high_words + h_off)[:, :, None]

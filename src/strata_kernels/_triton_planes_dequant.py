@@ -26,10 +26,10 @@ from .word_planes import BLOCK, WordPlanes
 def _half(codes, high_words, levels, n, b, i, KB, HALF: tl.constexpr, KIND: tl.constexpr):
     """The integer (or codebook value) of weights ``16 * HALF + i`` of blocks
     ``b`` of rows ``n``, from their nibbles ``codes`` ``[N, B, 16]``."""
-    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: bit i // 4 (+ 4 for the high half) of byte i % 4 of the
+    if KIND == 3 or KIND >= 7:  # Q5_K, Q5_0, Q5_1: bit i // 4 (+ 4 for the low half) of byte i % 4 of the
         # block's high word
         h = tl.load(high_words + n[:, None, None] * KB + b[None, :, None])
-        codes |= ((h >> (8 * (i % 4) + i // 4 + 4 * HALF)) & 1) << 4
+        codes |= ((h >> (8 * (i % 4) + i // 4 + 4 - 4 * HALF)) & 1) << 4
     if KIND == 4:  # Q6_K: bits 2 (i // 4) of byte i % 4 of the half's word, top bit flipped
         h = tl.load(high_words + n[:, None, None] * (2 * KB) + b[None, :, None] * 2 + HALF)
         two = ((h >> (8 * (i % 4) + 2 * (i // 4))) & 3) ^ 2

@@ -149,13 +149,11 @@ def gemv_mma_launch(qtype: int) -> KernelLaunch:
     are its own (four warps over 32 rows converted every weight twice: 187
     against 111 instructions per KiB of Q8_0 on sm_90), two tiles of 16 rows
     sharing each load of x (32 rows a warp: 120 against 115 for Q4_0, 133
-    against 125 for Q4_K, 153 against 143 for Q5_K; up to 192 registers,
-    no spills). Q6_K keeps 32 rows: at 64 its 192 registers leave an RTX 3090
-    too few warps (estimated 53% of copy bandwidth against 100%)."""
+    against 125 for Q4_K, 153 against 143 for Q5_K, 132 against 125 for
+    Q6_K; up to 200 registers, no spills)."""
     # Two pipeline stages: three took twice the shared memory and no fewer instructions (sm_86 occupancy
     # 0.08 against 0.21 for Q8_0); one took more registers and, for Q4_K, more instructions.
-    rows = 32 if T(qtype) == T.Q6_K else 64
-    return KernelLaunch({"KIND": MMA_KINDS[T(qtype)], "BLOCK_N": rows, "BLOCK_B": 8, "USE_ASM": True}, 2, 2)
+    return KernelLaunch({"KIND": MMA_KINDS[T(qtype)], "BLOCK_N": 64, "BLOCK_B": 8, "USE_ASM": True}, 2, 2)
 
 
 def gemv_mma_config(qtype: int) -> KernelConfig:
@@ -164,9 +162,12 @@ def gemv_mma_config(qtype: int) -> KernelConfig:
     pointers = {"xt": "*fp16", "xscale": "*fp32", "xsums": "*fp16",
                 "quants": "*i8" if T(qtype) == T.Q8_0 else "*u8", "high_words": "*i32",
                 "scales": "*i32" if superblocks else "*fp16", "sub": "*i16" if superblocks else "*i32",
-                "supers": "*i32", "codebook": "*i32", "word_index": "*i32", "out": "*fp32"}
-    return _config("_triton_gemv_mma", "_gemv_mma_kernel", _label(f"{T(qtype).name} mma", launch, "f16"), launch,
-                   pointers, decode=True)
+                "supers": "*i32", "codebook": "*i32", "word_table": "*i32", "out": "*fp32"}
+    config = _config("_triton_gemv_mma", "_gemv_mma_kernel", _label(f"{T(qtype).name} mma", launch, "f16"),
+                     launch, pointers, decode=True)
+    # KB (blocks of 32 a row) is a multiple of 16 for every K a model has (K % 512 == 0): the JIT specializes on
+    # it, and a row's high words are then aligned for 16-byte copies
+    return dataclasses.replace(config, divisible=("KB",))
 
 
 # The planes' dequantization (_triton_planes_dequant): its KIND per type, rows and blocks of 32 per program.

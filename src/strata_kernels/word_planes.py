@@ -17,8 +17,10 @@ and its sub-block scales.
   it). Word ``i`` of a chunk thus carries weights ``4i..4i+3`` (low nibbles)
   and ``16+4i..16+4i+3`` (high nibbles).
 - ``high`` int32, the code bits above the nibble (None for 4-bit types).
-  Q5_K ``[rows, cols / 32]``: one word a chunk, byte ``j`` bit ``i`` (``4+i``)
-  the fifth bit of weight ``4i+j`` (``16+4i+j``). Q6_K ``[rows, cols / 16]``:
+  Q5_K ``[rows, cols / 32]``: one word a chunk, byte ``j`` bit ``4+i`` (``i``)
+  the fifth bit of weight ``4i+j`` (``16+4i+j``): shifted right by ``i``, the
+  low nibble's bit is where its byte wants it (bit 4) and the high nibble's
+  at bit 0, where the tensor-core GEMV sets the top byte of 16 x its code. Q6_K ``[rows, cols / 16]``:
   two words a chunk, the first for weights 0..15, the second for 16..31;
   byte ``j`` bits ``2i, 2i+1`` the two high bits of weight ``4i+j`` of the
   half, with their top bit flipped: nibble and high bits together are the
@@ -232,6 +234,14 @@ class WordPlanes:
         return _superblock_planes(qt)
 
 
+def _fifth_bit_shifts(device: torch.device) -> torch.Tensor:
+    """``[1, 1, half, word i, 1]``: the bit of a Q5 high word's byte that holds
+    the fifth bit of weight ``16 half + 4i + j`` (``4 + i``, or ``i`` for the
+    high nibbles)."""
+    return (torch.arange(4, device=device).view(1, 1, 1, 4, 1)
+            + 4 * (1 - torch.arange(2, device=device)).view(1, 1, 2, 1, 1))
+
+
 def _superblock_planes(qt: QuantTensor) -> WordPlanes:
     rows, chunks = qt.rows, qt.cols // BLOCK
     parts = superblock_parts(qt.data.reshape(-1, block_format(qt.qtype).type_size), qt.qtype)
@@ -242,9 +252,7 @@ def _superblock_planes(qt: QuantTensor) -> WordPlanes:
     by_word = codes.view(rows, chunks, 2, 4, 4)  # [row, chunk, half, word i, byte j]
     if qt.qtype == T.Q5_K:
         bit = (by_word >> 4) & 1
-        shifts = torch.arange(4, device=codes.device).view(1, 1, 1, 4, 1) + 4 * torch.arange(
-            2, device=codes.device).view(1, 1, 2, 1, 1)
-        high = (bit << shifts).sum(dim=(2, 3)).to(torch.uint8)  # [row, chunk, byte j]
+        high = (bit << _fifth_bit_shifts(codes.device)).sum(dim=(2, 3)).to(torch.uint8)  # [row, chunk, byte j]
     elif qt.qtype == T.Q6_K:
         two = ((by_word >> 4) ^ 2) & 3
         shifts = 2 * torch.arange(4, device=codes.device).view(1, 1, 1, 4, 1)
@@ -276,11 +284,11 @@ def _chunk_planes(qt: QuantTensor) -> WordPlanes:
         dmin = (blocks[..., 2:4].contiguous().view(torch.int16).int().squeeze(-1) & 0xFFFF) ^ 0x8000
     quants = blocks[..., -16:].contiguous().view(rows, -1).view(torch.int32)
     high = None
-    if qt.qtype != T.Q4_1:  # qh bit w: the fifth bit of weight w; to Q5_K's word (byte j bit i + 4 half)
+    if qt.qtype != T.Q4_1:  # qh bit w: the fifth bit of weight w; to Q5_K's word (byte j bit i + 4 - 4 half)
         qh = blocks[..., -20:-16].contiguous().view(torch.int32).squeeze(-1)
         w = torch.arange(32, device=qh.device)
         bits = (qh[..., None] >> w) & 1  # [row, chunk, weight]
-        shifts = 8 * (w % 4) + (w % 16) // 4 + 4 * (w // 16)
+        shifts = 8 * (w % 4) + (w % 16) // 4 + 4 - 4 * (w // 16)
         high = (bits << shifts).sum(dim=-1).to(torch.int32).contiguous()  # distinct bits: the sum is their or
     supers = (d | (dmin << 16)).t().contiguous()
     return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, supers=supers)
@@ -348,9 +356,7 @@ def _codes(planes: WordPlanes) -> torch.Tensor:
     nib = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # [row, chunk, 32]
     if planes.high is not None and planes.kind.high_words == 1:  # Q5_K, Q5_0, Q5_1
         byte = planes.high.contiguous().view(torch.uint8).view(rows, chunks, 1, 1, 4).int()
-        shifts = torch.arange(4, device=byte.device).view(1, 1, 1, 4, 1) + 4 * torch.arange(
-            2, device=byte.device).view(1, 1, 2, 1, 1)
-        nib = nib | (((byte >> shifts) & 1) << 4).reshape(rows, chunks, 32)
+        nib = nib | (((byte >> _fifth_bit_shifts(byte.device)) & 1) << 4).reshape(rows, chunks, 32)
     elif planes.qtype == T.Q6_K:
         byte = planes.high.contiguous().view(torch.uint8).view(rows, chunks, 2, 1, 4).int()
         shifts = 2 * torch.arange(4, device=byte.device).view(1, 1, 1, 4, 1)

@@ -196,13 +196,14 @@ def test_int8_words_become_their_bytes_as_float16(biased):
 def test_k8v4_value_words_become_their_levels_as_float16():
     """The attention's k8v4 value conversion: each of a word's eight 4-bit
     codes (code k in bits 4k..4k+3) as its IQ4_NL level, exactly."""
-    from strata_kernels._triton_convert import WORD_IQ4_LEVELS
+    from strata_kernels._triton_convert import IQ4_BANK_WORDS, WORD_IQ4_LEVELS
 
     levels = lookup_table("iq4nl_values", torch.device("cpu")).numpy().astype(np.float16)
     rng = np.random.default_rng(6)
     words = np.concatenate([np.arange(16, dtype=np.uint64) * np.uint64(0x11111111),
                             rng.integers(0, 2**32, 4096, dtype=np.uint64)])
-    out = run_ptx(WORD_IQ4_LEVELS.value, {8: words}, 8)
+    banks = {9 + i: np.uint64(word & 0xFFFFFFFF) for i, word in enumerate(IQ4_BANK_WORDS)}
+    out = run_ptx(WORD_IQ4_LEVELS.value, {8: words, **banks}, 8)
     got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1)
     codes = (words[:, None] >> (np.uint64(4) * np.arange(8, dtype=np.uint64))) & np.uint64(15)
     assert np.array_equal(got, levels[codes.astype(np.int64)])

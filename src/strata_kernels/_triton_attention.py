@@ -72,10 +72,11 @@ def _group_tile(data, rows, g, D: tl.constexpr, KEYS: tl.constexpr, USE_ASM: tl.
 
 
 @triton.jit
-def _k8v4_values(v, v_scales, rows, D: tl.constexpr, USE_ASM: tl.constexpr):
+def _k8v4_values(v, v_scales, rows, zero, D: tl.constexpr, USE_ASM: tl.constexpr):
     """k8v4 values of the rows ``rows`` ``[BLOCK_N]`` (int64) as float16
     ``[BLOCK_N, D]``: whole words (16 bytes a load), eight IQ4_NL levels out
-    of each, times their block's scale (one per 32)."""
+    of each, times their block's scale (one per 32). ``zero`` ``[BLOCK_N]``:
+    ``word_iq4_levels_to_f16``'s."""
     B: tl.constexpr = D // 32
     b = tl.arange(0, B)
     w = tl.arange(0, 4)
@@ -83,7 +84,7 @@ def _k8v4_values(v, v_scales, rows, D: tl.constexpr, USE_ASM: tl.constexpr):
                     + w[None, None, :])
     # joined in registers in code order (the joins' new dimensions come out bit-reversed: value 4i + 2j + k
     # at [.., i, j, k] takes leaf 4k + 2j + i)
-    v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_to_f16(words, USE_ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_to_f16(words, zero[:, None, None], USE_ASM)
     levels = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
                      tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(rows.shape[0], B, 32)
     scale = tl.load(v_scales + rows[:, None] * B + b[None, :])
@@ -169,6 +170,8 @@ def _attention_kernel(
         accs = accs + (tl.zeros((BLOCK_M, VW), tl.float32),)
     lo = sp * slots_per_split
     hi = tl.minimum(lo + slots_per_split, n_slots)
+    # 0, from a loaded position (< 2^31) so that the compiler cannot fold it (_k8v4_values)
+    lanes_zero = (start + tl.arange(0, BLOCK_N)) >> 31
     for n0 in range(lo, hi, BLOCK_N):
         slots = n0 + tl.arange(0, BLOCK_N)
         slot_ok = slots < hi
@@ -210,7 +213,8 @@ def _attention_kernel(
             values = tl.load(v + rows[:, None] * D + d[None, :]).to(operand)
             accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), values),)
         elif FMT == 2:
-            accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), _k8v4_values(v, v_scales, rows, D, USE_ASM)),)
+            values = _k8v4_values(v, v_scales, rows, lanes_zero, D, USE_ASM)
+            accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), values),)
         else:
             p16 = p.to(operand)
             v_scale = _columns(tl.load(v_scales + rows[:, None] * VG + tl.arange(0, VG)[None, :]), BLOCK_N, VG)

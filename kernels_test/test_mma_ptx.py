@@ -118,9 +118,10 @@ def _weight_orders(kind: int) -> np.ndarray:
 
 
 def test_iq4_conversion_puts_every_weight_where_the_plain_form_reads_it():
-    """IQ4_XS's codebook lookup by prmt: each word's eight codes as their
-    codebook values + 128, 1024 + that as float16, where ``_weight_order``
-    says (a byte's two nibbles together)."""
+    """IQ4_XS's codebook lookup by prmt (the bank words as the kernel loads
+    them): each word's eight codes as their codebook values + 128, 1024 +
+    that as float16, value 2h + o of tile t at position 8h + 2w + o, where
+    ``_weight_order`` says (the plain Triton form and x's rows follow it)."""
     from strata_kernels import _triton_gemv_mma as mma
 
     qtype = T.IQ4_XS
@@ -129,12 +130,15 @@ def test_iq4_conversion_puts_every_weight_where_the_plain_form_reads_it():
     codes = lookup_table("iq4nl_values", torch.device("cpu")).round().long().numpy()[codes] + 128
     rows, chunks = codes.shape[:2]
     words = planes.quants.numpy().view(np.uint32).reshape(rows, chunks, 4).astype(np.uint64)
+    table = mma._tables(torch.device("cpu"))[1].numpy().astype(np.uint32)  # as the kernel loads its banks
+    banks = {9 + i: table[mma.IQ4_BANKS_AT.value + 4 * i].astype(np.uint64) for i in range(5)}
     order = _weight_orders(5)
     for w in range(4):
-        out = run_ptx(mma._IQ4_PAIRS, {4: words[:, :, w]}, 4)
+        out = run_ptx(mma.IQ4_WORD.value, {8: words[:, :, w], **banks}, 8)
         for tile in (0, 1):
-            got = np.concatenate([_as_float16_pairs(out[2 * tile]), _as_float16_pairs(out[2 * tile + 1])], axis=-1)
-            assert np.array_equal(got, 1024 + codes[:, :, order[tile, 4 * w:4 * w + 4]]), (w, tile)
+            got = np.stack([o.astype(np.uint16).view(np.float16) for o in out[4 * tile:4 * tile + 4]], axis=-1)
+            at = [2 * w, 2 * w + 1, 2 * w + 8, 2 * w + 9]  # values 0..3: (h, o) = (0, 0), (0, 1), (1, 0), (1, 1)
+            assert np.array_equal(got.astype(np.float64), 1024 + codes[:, :, order[tile, at]]), (w, tile)
 
 
 def test_a_word_of_code_bytes_becomes_1024_plus_each_byte():

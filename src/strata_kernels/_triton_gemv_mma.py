@@ -39,7 +39,7 @@ position 8h + 2w + o of its 16), so the tile is made in registers as it is
 multiplied; in byte order Triton sent each tile through shared memory and
 back (160 against 150 instructions per KiB of Q4_0 on sm_90). x's rows are
 read in the same order, so the products meet the right weights (IQ4 keeps
-a byte's two nibbles together).
+a byte's two nibbles together: its lookup gives them as a pair).
 
 x is prepared once per call: each row scaled by its largest magnitude into
 [-1, 1] and rounded to float16 (the tensor cores' operand, 11 bits where the
@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from ._triton_convert import WORD_PLUS_1024, bytes_to_f16, operand_order
+from ._triton_convert import IQ4_BANK_WORDS, WORD_PLUS_1024, bytes_to_f16, operand_order
 from .formats import lookup_table
 from .launch import split_k
 from .launch_plans import MMA_KINDS, gemv_mma_launch
@@ -71,43 +71,46 @@ from .word_planes import BLOCK, WordPlanes
 MAX_ROWS = 8
 X_ROWS = tl.constexpr(MAX_ROWS)  # x's columns: its rows, zeros past M
 
-# IQ4_XS: 8 nibble indices -> their codebook values + 128 (unsigned bytes) by prmt, a byte's two nibbles
-# together ($0: byte 0's low and high nibble, $1: byte 1's; $2, $3: bytes 2 and 3), as 1024 + value.
-# bank0 and bank1 hold the first four bytes of each 8-value bank (the other four are immediates).
-_IQ4_PAIRS = """{
-    .reg .b32 index, bank, lo, hi, a, b, bank0, bank1;
-    mov.b32 bank0, 0x3F2D1801;
-    mov.b32 bank1, 0xA6998D81;
-    and.b32 index, $4, 0x77777777;
-    shr.b32 bank, $4, 1;
-    and.b32 bank, bank, 0x44444444;
+# IQ4_XS: a word of 8 nibble indices in $8 -> their codebook values + 128 (unsigned bytes) by prmt, as float16
+# 1024 + value in $0..$7: byte 0's low and high nibble, byte 1's (tile 0), bytes 2 and 3's (tile 1). The
+# banks' words and the bank bit's mask come in $9..$13 (_triton_convert.IQ4_BANK_WORDS, loaded from the
+# kernel's word table): as immediates ptxas kept them in uniform registers and copied each out at every use
+# (1056 against 839 instructions a step on sm_90).
+IQ4_BANKS_AT = tl.constexpr(16)  # where the word table (_tables) holds the bank words, four copies each
+IQ4_WORD = tl.constexpr("""{
+    .reg .b32 index, bank, lo, hi, a, b, p0, p1, p2, p3;
+    and.b32 index, $8, 0x77777777;
+    shr.b32 bank, $8, 1;
+    and.b32 bank, bank, $13;
     or.b32 bank, bank, 0x32103210;
-    prmt.b32 lo, bank0, 0x766A5D4F, index;
-    prmt.b32 hi, bank1, 0xF1D9C5B5, index;
+    prmt.b32 lo, $9, $10, index;
+    prmt.b32 hi, $11, $12, index;
     prmt.b32 a, lo, hi, bank;
     shr.b32 index, index, 16;
     shr.b32 bank, bank, 16;
-    prmt.b32 lo, bank0, 0x766A5D4F, index;
-    prmt.b32 hi, bank1, 0xF1D9C5B5, index;
+    prmt.b32 lo, $9, $10, index;
+    prmt.b32 hi, $11, $12, index;
     prmt.b32 b, lo, hi, bank;
-    prmt.b32 $0, a, 0x64646464, 0x5140;
-    prmt.b32 $1, a, 0x64646464, 0x7362;
-    prmt.b32 $2, b, 0x64646464, 0x5140;
-    prmt.b32 $3, b, 0x64646464, 0x7362;
-    }"""
-IQ4_PAIRS = tl.constexpr(_IQ4_PAIRS)
+    prmt.b32 p0, a, 0x64646464, 0x5140;
+    prmt.b32 p1, a, 0x64646464, 0x7362;
+    prmt.b32 p2, b, 0x64646464, 0x5140;
+    prmt.b32 p3, b, 0x64646464, 0x7362;
+    mov.b32 {$0, $1}, p0;
+    mov.b32 {$2, $3}, p1;
+    mov.b32 {$4, $5}, p2;
+    mov.b32 {$6, $7}, p3;
+    }""")
 
 
 @triton.jit
 def _weight_order(i, TILE: tl.constexpr, KIND: tl.constexpr):
     """The weight of its chunk (0..31) that position ``i`` (0..15) of tile
     ``TILE`` holds: the order the conversion's pairs come out in."""
-    w = i // 4
-    e = i % 4
     if KIND == 0:  # Q8_0: the chunk's first and second 16 bytes as they are
         return i + 16 * TILE
-    if KIND == 5:  # IQ4: a byte's two nibbles together, bytes 0, 1 of a word in tile 0, bytes 2, 3 in tile 1
-        return 4 * w + 2 * TILE + e // 2 + 16 * (e % 2)
+    if KIND == 5:  # IQ4: value 2h + o of word w (IQ4_WORD: bytes 2 TILE and 2 TILE + 1, a byte's two nibbles
+        # together) at 8h + 2w + o, as _word_tile puts a word's bytes
+        return 4 * ((i % 8) // 2) + 2 * TILE + i // 8 + 16 * (i % 2)
     return operand_order(i) + 16 * TILE  # tile 1 the high nibbles
 
 
@@ -124,14 +127,22 @@ def _plain_tile(quants, q_at, codebook, i, TILE: tl.constexpr, KIND: tl.constexp
 
 
 @triton.jit
-def _iq4_tiles(q):
-    """IQ4_XS's two tiles from its code bytes ``q`` (uint8, four to a
-    register): the PTX above. (Only operands that are loaded with ``q`` or
-    are constants: another, a kernel argument say, keeps Triton from making
-    the tiles in the tensor cores' layout, and they round-trip through
-    shared memory.)"""
-    return tl.inline_asm_elementwise(IQ4_PAIRS, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16),
-                                     is_pure=True, pack=4)
+def _iq4_tiles(words, word_table):
+    """IQ4_XS's two tiles ``[N, B, 16]`` from its code words ``words`` ``[N,
+    B, 4]`` (int32): ``IQ4_WORD``, each word's values put as ``_word_tile``
+    puts bytes. The bank words are loaded as ``_code_words`` loads its masks
+    (made from a per-lane zero instead, or offered as kernel arguments, they
+    kept Triton from making the tiles in the tensor cores' layout: a trip
+    through shared memory)."""
+    w = tl.arange(0, 4)[None, None, :]
+    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+        IQ4_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r",
+        [words, tl.load(word_table + IQ4_BANKS_AT + w), tl.load(word_table + IQ4_BANKS_AT + 4 + w),
+         tl.load(word_table + IQ4_BANKS_AT + 8 + w), tl.load(word_table + IQ4_BANKS_AT + 12 + w),
+         tl.load(word_table + IQ4_BANKS_AT + 16 + w)], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    t0 = tl.join(tl.join(v0, v1), tl.join(v2, v3)).permute(0, 1, 4, 2, 3)
+    t1 = tl.join(tl.join(v4, v5), tl.join(v6, v7)).permute(0, 1, 4, 2, 3)
+    return t0.reshape(words.shape[0], words.shape[1], 16), t1.reshape(words.shape[0], words.shape[1], 16)
 
 
 @triton.jit
@@ -262,7 +273,7 @@ def _gemv_mma_kernel(
     #          float32 [8] the scales; xsums float16 [K / 16, 8]: xt's sums over each 16 rows
     # quants:  the planes' codes as bytes, [N, K] (Q8_0: int8) or [N, K / 2] (uint8, Q4_0 order)
     # high_words: int32 Q5_K [N, KB], Q6_K [N, 2 KB]; codebook int32 [16] IQ4's values + 128 (plain form);
-    #          word_table int32 [16] (_code_words)
+    #          word_table int32 [36] (_code_words, _iq4_tiles)
     # scales:  float16 [KB, N] (Q8_0, Q4_0); sub int16 [KB, N] and supers int32 [KB / 8, N] (others)
     # out:     float32 [splits, M, N]; grid (cdiv(N, BLOCK_N), splits): rows pn*BLOCK_N.. over blocks
     #          ps*blocks_per_split.. of 32 weights, BLOCK_B at a time: two [BLOCK_N, BLOCK_B * 16] float16
@@ -319,7 +330,8 @@ def _gemv_mma_kernel(
             h_now = h_at + b0 * HIGH
             if KIND == 5:
                 if USE_ASM:
-                    t0, t1 = _iq4_tiles(tl.load(quants + at + i[None, None, :]))
+                    t0, t1 = _iq4_tiles(tl.load(quants.to(tl.pointer_type(tl.int32), bitcast=True) + w_at + b0 * 4
+                                                + tl.arange(0, 4)[None, None, :]), word_table)
                 else:
                     t0 = _plain_tile(quants, at, codebook, i, 0, KIND)
                     t1 = _plain_tile(quants, at, codebook, i, 1, KIND)
@@ -377,9 +389,12 @@ _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """IQ4's codebook + 128 as int32 (what the plain form looks up) and
     ``_code_words``' table: the word indices 0..3, 0x01010101 and 0x03030303
-    four times each, twice the indices (int32)."""
+    four times each, twice the indices, then IQ4's bank words four times each
+    (``_iq4_tiles``; int32)."""
     if device not in _TABLES:
         words = [0, 1, 2, 3] + [0x01010101] * 4 + [0x03030303] * 4 + [0, 2, 4, 6]
+        assert len(words) == IQ4_BANKS_AT.value
+        words += [word for word in IQ4_BANK_WORDS for _ in range(4)]
         _TABLES[device] = ((lookup_table("iq4nl_values", device).round().to(torch.int32) + 128).contiguous(),
                            torch.tensor(words, dtype=torch.int32, device=device))
     return _TABLES[device]

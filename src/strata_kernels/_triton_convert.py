@@ -92,8 +92,9 @@ WORD_PLUS_1024 = tl.constexpr("""{
 # words and the bank bit's mask come in $9..$13 (IQ4_BANK_WORDS): as immediates here, ptxas kept them in
 # uniform registers and copied each out at every use (k8v4 decode attention: 663 against 608 instructions
 # a step at D=128 on sm_90).
-WORD_IQ4_LEVELS = tl.constexpr("""{
-    .reg .b32 index, bank, a, b, first, second, lo, hi, bias;
+# The lookup itself, shared with the tensor-core GEMV's IQ4_XS tiles: $8 the codes' word, $9..$13 the banks,
+# the levels + 128 of codes 0..3 in first, of 4..7 in second
+IQ4_LOOKUP = """
     and.b32 index, $8, 0x77777777;
     shr.u32 bank, $8, 1;
     and.b32 bank, bank, $13;
@@ -105,7 +106,9 @@ WORD_IQ4_LEVELS = tl.constexpr("""{
     shr.u32 bank, bank, 16;
     prmt.b32 a, $9, $10, index;
     prmt.b32 b, $11, $12, index;
-    prmt.b32 second, a, b, bank;
+    prmt.b32 second, a, b, bank;"""
+WORD_IQ4_LEVELS = tl.constexpr("""{
+    .reg .b32 index, bank, a, b, first, second, lo, hi, bias;""" + IQ4_LOOKUP + """
     mov.b32 bias, 0x64806480;""" + _to_f16("first", 0) + _to_f16("second", 4) + """
     }""")
 # IQ4_NL's levels + 128 as bytes: values 0..3, 4..7 (the low bank), 8..11, 12..15 (the high one); then the

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from ._triton_convert import IQ4_BANK_WORDS, WORD_PLUS_1024, bytes_to_f16, operand_order
+from ._triton_convert import IQ4_BANK_WORDS, IQ4_LOOKUP, WORD_PLUS_1024, bytes_to_f16, operand_order
 from .formats import lookup_table
 from .launch import split_k
 from .launch_plans import MMA_KINDS, gemv_mma_launch
@@ -71,30 +71,18 @@ from .word_planes import BLOCK, WordPlanes
 MAX_ROWS = 8
 X_ROWS = tl.constexpr(MAX_ROWS)  # x's columns: its rows, zeros past M
 
-# IQ4_XS: a word of 8 nibble indices in $8 -> their codebook values + 128 (unsigned bytes) by prmt, as float16
-# 1024 + value in $0..$7: byte 0's low and high nibble, byte 1's (tile 0), bytes 2 and 3's (tile 1). The
-# banks' words and the bank bit's mask come in $9..$13 (_triton_convert.IQ4_BANK_WORDS, loaded from the
-# kernel's word table): as immediates ptxas kept them in uniform registers and copied each out at every use
-# (1056 against 839 instructions a step on sm_90).
+# IQ4_XS: a word of 8 nibble indices in $8 -> their codebook values + 128 (unsigned bytes) by prmt
+# (_triton_convert.IQ4_LOOKUP), as float16 1024 + value in $0..$7: byte 0's low and high nibble, byte 1's
+# (tile 0), bytes 2 and 3's (tile 1). The banks' words and the bank bit's mask come in $9..$13
+# (_triton_convert.IQ4_BANK_WORDS, loaded from the kernel's word table): as immediates ptxas kept them in
+# uniform registers and copied each out at every use (1056 against 839 instructions a step on sm_90).
 IQ4_BANKS_AT = tl.constexpr(16)  # where the word table (_tables) holds the bank words, four copies each
 IQ4_WORD = tl.constexpr("""{
-    .reg .b32 index, bank, lo, hi, a, b, p0, p1, p2, p3;
-    and.b32 index, $8, 0x77777777;
-    shr.b32 bank, $8, 1;
-    and.b32 bank, bank, $13;
-    or.b32 bank, bank, 0x32103210;
-    prmt.b32 lo, $9, $10, index;
-    prmt.b32 hi, $11, $12, index;
-    prmt.b32 a, lo, hi, bank;
-    shr.b32 index, index, 16;
-    shr.b32 bank, bank, 16;
-    prmt.b32 lo, $9, $10, index;
-    prmt.b32 hi, $11, $12, index;
-    prmt.b32 b, lo, hi, bank;
-    prmt.b32 p0, a, 0x64646464, 0x5140;
-    prmt.b32 p1, a, 0x64646464, 0x7362;
-    prmt.b32 p2, b, 0x64646464, 0x5140;
-    prmt.b32 p3, b, 0x64646464, 0x7362;
+    .reg .b32 index, bank, a, b, first, second, p0, p1, p2, p3;""" + IQ4_LOOKUP + """
+    prmt.b32 p0, first, 0x64646464, 0x5140;
+    prmt.b32 p1, first, 0x64646464, 0x7362;
+    prmt.b32 p2, second, 0x64646464, 0x5140;
+    prmt.b32 p3, second, 0x64646464, 0x7362;
     mov.b32 {$0, $1}, p0;
     mov.b32 {$2, $3}, p1;
     mov.b32 {$4, $5}, p2;

@@ -65,7 +65,9 @@ class LiveServer:
         raise AssertionError(f"/health did not answer {status} within {timeout} s:\n{self.log()}")
 
     def engine_pid(self) -> int:
-        return self.http.get("/props").json()["engine_pid"]
+        props = self.http.get("/props")
+        assert props.status_code == 200, f"/props answered {props.status_code} (no engine answering): {props.text}"
+        return props.json()["engine_pid"]
 
     def kill_engine(self, sig: int = signal.SIGKILL) -> int:
         pid = self.engine_pid()

@@ -77,8 +77,10 @@ def _kill_and_wait(server: LiveServer) -> int:
     killed = server.kill_engine(signal.SIGKILL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        code, _ = server.health()
-        if code == 200 and server.engine_pid() != killed:
+        # Just after the kill /health may still say 200 (the supervisor has not seen the exit yet) and /props
+        # then answer 503 without a pid: only a 200 from /props names the engine that answers.
+        props = server.http.get("/props")
+        if props.status_code == 200 and props.json()["engine_pid"] != killed:
             return killed
         time.sleep(0.1)
     raise AssertionError(f"no new engine after killing {killed}:\n{server.log()[-3000:]}")

@@ -86,14 +86,12 @@ WORD_PLUS_1024 = tl.constexpr("""{
     mov.b32 {$2, $3}, hi;
     }""")
 
-# An int32 word of eight 4-bit codes in $8 (byte j: code 2j low, 2j + 1 high) -> each code's IQ4_NL level as
-# float16 in $0..$7, code 0 first: the levels + 128 (unsigned bytes) looked up by prmt in two 8-value
-# banks (the low 3 bits of a code pick a byte, its top bit the bank), then made float16 as above. The banks'
-# words and the bank bit's mask come in $9..$13 (IQ4_BANK_WORDS): as immediates here, ptxas kept them in
+# IQ4_NL's lookup by prmt, shared with the tensor-core GEMV's IQ4_XS tiles: $8 an int32 word of eight 4-bit
+# codes (byte j: code 2j low, 2j + 1 high) -> the levels + 128 (unsigned bytes) of codes 0..3 in first, of
+# 4..7 in second, from two 8-value banks (the low 3 bits of a code pick a byte, its top bit the bank). The
+# banks' words and the bank bit's mask come in $9..$13 (IQ4_BANK_WORDS): as immediates, ptxas kept them in
 # uniform registers and copied each out at every use (k8v4 decode attention: 663 against 608 instructions
 # a step at D=128 on sm_90).
-# The lookup itself, shared with the tensor-core GEMV's IQ4_XS tiles: $8 the codes' word, $9..$13 the banks,
-# the levels + 128 of codes 0..3 in first, of 4..7 in second
 IQ4_LOOKUP = """
     and.b32 index, $8, 0x77777777;
     shr.u32 bank, $8, 1;
@@ -107,6 +105,7 @@ IQ4_LOOKUP = """
     prmt.b32 a, $9, $10, index;
     prmt.b32 b, $11, $12, index;
     prmt.b32 second, a, b, bank;"""
+# The lookup's bytes as each code's IQ4_NL level, float16 in $0..$7, code 0 first (made float16 as above).
 WORD_IQ4_LEVELS = tl.constexpr("""{
     .reg .b32 index, bank, a, b, first, second, lo, hi, bias;""" + IQ4_LOOKUP + """
     mov.b32 bias, 0x64806480;""" + _to_f16("first", 0) + _to_f16("second", 4) + """

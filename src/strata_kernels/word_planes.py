@@ -20,11 +20,11 @@ and its sub-block scales.
   Q5_K ``[rows, cols / 32]``: one word a chunk, byte ``j`` bit ``4+i`` (``i``)
   the fifth bit of weight ``4i+j`` (``16+4i+j``): shifted right by ``i``, the
   low nibble's bit is where its byte wants it (bit 4) and the high nibble's
-  at bit 0, where the tensor-core GEMV sets the top byte of 16 x its code. Q6_K ``[rows, cols / 16]``:
-  two words a chunk, the first for weights 0..15, the second for 16..31;
-  byte ``j`` bits ``2i, 2i+1`` the two high bits of weight ``4i+j`` of the
-  half, with their top bit flipped: nibble and high bits together are the
-  6-bit two's complement of ``code - 32``.
+  at bit 0, where the tensor-core GEMV sets the top byte of 16 x its code.
+  Q6_K ``[rows, cols / 16]``: two words a chunk, the first for weights
+  0..15, the second for 16..31; byte ``j`` bits ``2i, 2i+1`` the two high
+  bits of weight ``4i+j`` of the half, with their top bit flipped: nibble
+  and high bits together are the 6-bit two's complement of ``code - 32``.
 - ``scales`` float16 ``[cols / 32, rows]`` (Q8_0, Q4_0: a weight is scale
   times its code, Q4_0's less 8), stored scale-column-major: one block
   column's scales for every row are contiguous, so a thread that handles
@@ -284,11 +284,11 @@ def _chunk_planes(qt: QuantTensor) -> WordPlanes:
         dmin = (blocks[..., 2:4].contiguous().view(torch.int16).int().squeeze(-1) & 0xFFFF) ^ 0x8000
     quants = blocks[..., -16:].contiguous().view(rows, -1).view(torch.int32)
     high = None
-    if qt.qtype != T.Q4_1:  # qh bit w: the fifth bit of weight w; to Q5_K's word (byte j bit i + 4 - 4 half)
+    if qt.qtype != T.Q4_1:  # qh bit w: the fifth bit of weight w; to Q5_K's word
         qh = blocks[..., -20:-16].contiguous().view(torch.int32).squeeze(-1)
         w = torch.arange(32, device=qh.device)
         bits = (qh[..., None] >> w) & 1  # [row, chunk, weight]
-        shifts = 8 * (w % 4) + (w % 16) // 4 + 4 - 4 * (w // 16)
+        shifts = 8 * (w % 4) + _fifth_bit_shifts(qh.device).view(2, 4)[w // 16, (w % 16) // 4]
         high = (bits << shifts).sum(dim=-1).to(torch.int32).contiguous()  # distinct bits: the sum is their or
     supers = (d | (dmin << 16)).t().contiguous()
     return WordPlanes(qt.qtype, rows, qt.cols, quants, high=high, supers=supers)

@@ -142,14 +142,14 @@ class Supervisor(ExitAccounting):
         return state not in (b"Z", b"X")
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        history = {"restarts": self.restarts, "last_exit": self.last_exit}
         if self.draining:
-            return 503, {"status": "stopping", "restarts": self.restarts, "last_exit": self.last_exit}
+            return 503, {"status": "stopping", **history}
         if self.answering:
             # After a restart, an operator (and a test polling slower than the restart) still sees why.
-            return 200, {"status": "ok"} if self.restarts == 0 else {
-                "status": "ok", "restarts": self.restarts, "last_exit": self.last_exit}
+            return 200, {"status": "ok"} if self.restarts == 0 else {"status": "ok", **history}
         status = "restarting" if self.state == "ready" else self.state
-        return 503, {"status": status, "restarts": self.restarts, "last_exit": self.last_exit}
+        return 503, {"status": status, **history}
 
     def submit(self, command: dict[str, Any]) -> Job:
         """Queue a request; a 503 when no engine is answering or the queue is

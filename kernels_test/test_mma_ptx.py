@@ -1,11 +1,11 @@
 """The tensor-core GEMV's and the attention's inline PTX conversions, run on
 this CPU by a small interpreter of the instructions they use (``and``,
-``or``, ``xor``, ``shl``, ``shr``, ``mov`` (a pair unpacked too), ``prmt``,
-``sub.f16x2``): the GEMV's word of code bytes as float16 1024 + each byte,
+``or``, ``xor``, ``shl``, ``shr``, ``mov`` (a pair packed or unpacked too),
+``prmt``, ``sub.f16x2``, ``fma.rn.f16x2``): the GEMV's word of code bytes as float16 1024 + each byte,
 IQ4_XS's codebook lookup putting every weight where ``_weight_order`` (what
 the plain Triton form and x's rows follow) says, as 1024 + value + 128; the
 attention's give each byte (int8 KV) or 4-bit code's IQ4_NL level (k8v4
-values) as float16, in order. Without a GPU this is what checks the PTX
+values, times their block's scale) as float16, in order. Without a GPU this is what checks the PTX
 strings themselves; the GPU-marked tests compare the compiled kernels."""
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ def run_ptx(text: str, operands: dict[int, np.ndarray], outputs: int) -> list[np
             word = _value(source.strip(" ,"), regs)
             regs[low], regs[high] = word & np.uint64(0xFFFF), word >> np.uint64(16)
             continue
+        if "{" in args:  # mov.b32 r, {$a, $b}: two 16-bit registers packed into one, $a low
+            dst, pair = args.split(",", 1)
+            low, high = [_value(t.strip(" {}"), regs) for t in pair.split(",")]
+            regs[dst.strip()] = (low & np.uint64(0xFFFF)) | ((high & np.uint64(0xFFFF)) << np.uint64(16))
+            continue
         dst, *src = [s.strip() for s in args.split(",")]
         v = [_value(s, regs) for s in src]
         name = op.split(".")[0]
@@ -91,6 +96,9 @@ def run_ptx(text: str, operands: dict[int, np.ndarray], outputs: int) -> list[np
             r = _prmt(v[0], v[1], v[2])
         elif op == "sub.f16x2":
             r = _from_halves(_halves(v[0]) - _halves(v[1]))
+        elif op == "fma.rn.f16x2":  # the exact a * b + c (float64 holds it), rounded once to float16
+            a, b, c = (_halves(x).astype(np.float64) for x in v)
+            r = _from_halves(a * b + c)
         else:
             raise AssertionError(f"no interpreter for {op}")
         regs[dst] = np.asarray(r, dtype=np.uint64) & MASK
@@ -197,17 +205,31 @@ def test_int8_words_become_their_bytes_as_float16(biased):
     assert np.array_equal(got.astype(np.float32), data.view(np.int8).astype(np.float32) + offset)
 
 
-def test_k8v4_value_words_become_their_levels_as_float16():
+def test_k8v4_value_words_become_their_levels_times_the_scale_as_float16():
     """The attention's k8v4 value conversion: each of a word's eight 4-bit
-    codes (code k in bits 4k..4k+3) as its IQ4_NL level, exactly."""
-    from strata_kernels._triton_convert import IQ4_BANK_WORDS, WORD_IQ4_LEVELS
+    codes (code k in bits 4k..4k+3) as its IQ4_NL level times the block's
+    scale over V_SHRINK (as the kernel passes it), rounded once, as that
+    product in float16 is, for scales of the writers' 7 significant bits
+    (reference_kv.round_scale_bits) from 2^-16 to 900, both signs: no
+    overflow of the offset up to there."""
+    from strata_kernels._triton_attention import V_SHRINK
+    from strata_kernels._triton_convert import IQ4_BANK_WORDS, WORD_IQ4_SCALED
+    from strata_kernels.reference_kv import round_scale_bits
 
     levels = lookup_table("iq4nl_values", torch.device("cpu")).numpy().astype(np.float16)
     rng = np.random.default_rng(6)
     words = np.concatenate([np.arange(16, dtype=np.uint64) * np.uint64(0x11111111),
                             rng.integers(0, 2**32, 4096, dtype=np.uint64)])
+    drawn = np.exp2(rng.uniform(-16, np.log2(900), words.size)) * rng.choice([-1.0, 1.0], words.size)
+    drawn[:2] = 900.0, -900.0
+    scales = round_scale_bits(torch.from_numpy(drawn.astype(np.float16))).numpy() / np.float16(V_SHRINK.value)
     banks = {9 + i: np.uint64(word & 0xFFFFFFFF) for i, word in enumerate(IQ4_BANK_WORDS)}
-    out = run_ptx(WORD_IQ4_LEVELS.value, {8: words, **banks}, 8)
+    operands = {8: words, **banks, 14: scales.view(np.uint16).astype(np.uint64),
+                15: (scales * np.float16(-1152)).view(np.uint16).astype(np.uint64)}
+    out = run_ptx(WORD_IQ4_SCALED.value, operands, 8)
     got = np.stack([o.astype(np.uint16).view(np.float16) for o in out], axis=-1)
     codes = (words[:, None] >> (np.uint64(4) * np.arange(8, dtype=np.uint64))) & np.uint64(15)
-    assert np.array_equal(got, levels[codes.astype(np.int64)])
+    want = levels[codes.astype(np.int64)] * scales[:, None]  # float16 products: rounded once
+    assert np.array_equal(got, want)
+
+

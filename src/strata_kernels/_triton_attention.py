@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_convert import KEY_BIAS, WORD_BYTES_BIASED, operand_order, word_bytes_to_f16, word_iq4_levels_to_f16
+from ._triton_convert import KEY_BIAS, WORD_BYTES_BIASED, operand_order, word_bytes_to_f16, word_iq4_levels_scaled
 from .kv_quant import KVStore
 from .launch_plans import KernelLaunch, attention_launch, merge_launch
 from .paging import BlockTables
@@ -71,24 +71,29 @@ def _group_tile(data, rows, g, D: tl.constexpr, KEYS: tl.constexpr, USE_ASM: tl.
     return tl.join(tl.join(b0, b2), tl.join(b1, b3)).reshape(rows.shape[0], 64)  # [.., j, a]: byte 2j + a
 
 
+V_SHRINK = tl.constexpr(16.0)  # k8v4 value tiles are this many times smaller than the values (_k8v4_values)
+
+
 @triton.jit
 def _k8v4_values(v, v_scales, rows, zero, D: tl.constexpr, USE_ASM: tl.constexpr):
     """k8v4 values of the rows ``rows`` ``[BLOCK_N]`` (int64) as float16
     ``[BLOCK_N, D]``: whole words (16 bytes a load), eight IQ4_NL levels out
-    of each, times their block's scale (one per 32). ``zero`` ``[BLOCK_N]``:
-    ``word_iq4_levels_to_f16``'s."""
+    of each, times their block's scale (one per 32) / V_SHRINK. ``zero`` ``[BLOCK_N]``:
+    ``word_iq4_levels_scaled``'s."""
     B: tl.constexpr = D // 32
     b = tl.arange(0, B)
     w = tl.arange(0, 4)
     words = tl.load(v.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (D // 8) + b[None, :, None] * 4
                     + w[None, None, :])
+    # a sixteenth of the scale: the decode's offset, -1152 times it, stays inside float16's range for every
+    # scale up to 910 (values up to 115000); the kernel multiplies its sums by 16 (V_SHRINK) at the end
+    scale = tl.load(v_scales + rows[:, None] * B + b[None, :]) * (1.0 / V_SHRINK)
     # joined in registers in code order (the joins' new dimensions come out bit-reversed: value 4i + 2j + k
     # at [.., i, j, k] takes leaf 4k + 2j + i)
-    v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_to_f16(words, zero[:, None, None], USE_ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = word_iq4_levels_scaled(words, zero[:, None, None], scale[:, :, None], USE_ASM)
     levels = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
-                     tl.join(tl.join(v1, v5), tl.join(v3, v7))).reshape(rows.shape[0], B, 32)
-    scale = tl.load(v_scales + rows[:, None] * B + b[None, :])
-    return (levels * scale[:, :, None]).reshape(rows.shape[0], D)
+                     tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return levels.reshape(rows.shape[0], D)
 
 
 @triton.jit
@@ -225,6 +230,8 @@ def _attention_kernel(
             accs = new
     out_row = (((seq * splits + sp) * HKV + kvh) * T * G + r).to(tl.int64)
     vd = tl.arange(0, VW)
+    if FMT == 2:
+        accs = (accs[0] * V_SHRINK,)
     for g in tl.static_range(VG):
         tl.store(part_acc + out_row[:, None] * D + g * VW + vd[None, :], accs[g], mask=row_ok[:, None])
     tl.store(part_ml + out_row * 2, m_i * 0.6931471805599453, mask=row_ok)

@@ -5,7 +5,8 @@ Triton backend runs).
 Each works four bytes a register through inline PTX: a code, made
 unsigned, becomes the low mantissa bits of a float16 whose exponent puts it
 at 1024 + code (``prmt`` with 0x64 bytes), and the offset is subtracted
-exactly (``sub.f16x2``). The byte forms take a tensor of bytes (``pack=4``);
+exactly (``sub.f16x2``; k8v4's values fold it into one fused multiply-add
+with their scale). The byte forms take a tensor of bytes (``pack=4``);
 the word forms an int32 word of codes and give one tensor per code (a tile
 loaded as words keeps 16-byte loads and its values in registers in the
 order the tensor cores read them). ``USE_ASM`` False: the plain Triton
@@ -44,14 +45,16 @@ NIBBLES = tl.constexpr(_NIBBLES % "0x64006400")
 _WORD_TO_F16 = """
     prmt.b32 lo, {src}, 0x64646464, 0x5140;
     prmt.b32 hi, {src}, 0x64646464, 0x7362;
-    sub.f16x2 lo, lo, bias;
-    sub.f16x2 hi, hi, bias;
+    {finish_lo}
+    {finish_hi}
     mov.b32 {{${0}, ${1}}}, lo;
     mov.b32 {{${2}, ${3}}}, hi;"""
 
 
-def _to_f16(src: str, first: int) -> str:
-    return _WORD_TO_F16.format(first, first + 1, first + 2, first + 3, src=src)
+def _to_f16(src: str, first: int, finish: str = "sub.f16x2 {half}, {half}, bias;") -> str:
+    """``finish``: what makes each pair its values from 1024 + byte (``{half}``: lo, then hi)."""
+    return _WORD_TO_F16.format(first, first + 1, first + 2, first + 3, src=src,
+                               finish_lo=finish.format(half="lo"), finish_hi=finish.format(half="hi"))
 
 
 # An int32 word of four signed bytes in $4 -> each byte as float16 in $0..$3 (byte 0 first): as bytes_to_f16,
@@ -105,10 +108,17 @@ IQ4_LOOKUP = """
     prmt.b32 a, $9, $10, index;
     prmt.b32 b, $11, $12, index;
     prmt.b32 second, a, b, bank;"""
-# The lookup's bytes as each code's IQ4_NL level, float16 in $0..$7, code 0 first (made float16 as above).
-WORD_IQ4_LEVELS = tl.constexpr("""{
-    .reg .b32 index, bank, a, b, first, second, lo, hi, bias;""" + IQ4_LOOKUP + """
-    mov.b32 bias, 0x64806480;""" + _to_f16("first", 0) + _to_f16("second", 4) + """
+# The lookup's bytes as each code's IQ4_NL level times a scale, float16 in $0..$7, code 0 first: 1024 + byte
+# as above, then one fused multiply-add a pair, (1024 + byte) * scale + offset, with the scale in $14 and
+# offset = -1152 * scale in $15 (float16). Exactly the level times the scale rounded once, when the offset is
+# exact: a scale of 7 significant bits or fewer (reference_kv.round_scale_bits); otherwise within half a unit
+# of the offset's last place (k8v4 decode attention: 578 against 608 instructions a step at D = 128 on sm_90
+# with a subtraction and a multiply a pair).
+WORD_IQ4_SCALED = tl.constexpr("""{
+    .reg .b32 index, bank, a, b, first, second, lo, hi, scale, offset;""" + IQ4_LOOKUP + """
+    mov.b32 scale, {$14, $14};
+    mov.b32 offset, {$15, $15};""" + _to_f16("first", 0, "fma.rn.f16x2 {half}, {half}, scale, offset;")
+    + _to_f16("second", 4, "fma.rn.f16x2 {half}, {half}, scale, offset;") + """
     }""")
 # IQ4_NL's levels + 128 as bytes: values 0..3, 4..7 (the low bank), 8..11, 12..15 (the high one); then the
 # mask of each code's top bit moved to the bank bit of its selector nibble
@@ -137,23 +147,29 @@ def _iq4_level(code):
 
 
 @triton.jit
-def word_iq4_levels_to_f16(words, zero, USE_ASM: tl.constexpr):
+def word_iq4_levels_scaled(words, zero, scale, USE_ASM: tl.constexpr):
     """The IQ4_NL levels of the eight 4-bit codes of each int32 of ``words``
-    (code ``k`` in bits ``4k..4k+3``) as float16, exactly: eight tensors of
+    (code ``k`` in bits ``4k..4k+3``) times ``scale`` (float16, broadcast to
+    ``words``), each product rounded once to float16: eight tensors of
     ``words``' shape, code 0's first. ``zero`` (int32, broadcast to
     ``words``) is 0 where the compiler cannot see it, computed once outside
     the caller's loop: the bank words are made from it so that they stay in
-    registers (``WORD_IQ4_LEVELS``)."""
+    registers (``WORD_IQ4_SCALED``; exact for scales of 7 significant bits)."""
     if USE_ASM:
         kept = zero + tl.zeros(words.shape, tl.int32)
+        scale = scale + tl.zeros(words.shape, tl.float16)
         return tl.inline_asm_elementwise(
-            WORD_IQ4_LEVELS, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r",
-            [words, kept + _BANK0, kept + _BANK1, kept + _BANK2, kept + _BANK3, kept + _BANK_BITS],
+            WORD_IQ4_SCALED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,h,h",
+            [words, kept + _BANK0, kept + _BANK1, kept + _BANK2, kept + _BANK3, kept + _BANK_BITS,
+             scale, scale * -1152.0],
             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    return (_iq4_level(words & 15).to(tl.float16), _iq4_level((words >> 4) & 15).to(tl.float16),
-            _iq4_level((words >> 8) & 15).to(tl.float16), _iq4_level((words >> 12) & 15).to(tl.float16),
-            _iq4_level((words >> 16) & 15).to(tl.float16), _iq4_level((words >> 20) & 15).to(tl.float16),
-            _iq4_level((words >> 24) & 15).to(tl.float16), _iq4_level((words >> 28) & 15).to(tl.float16))
+    return (_iq4_level(words & 15).to(tl.float16) * scale, _iq4_level((words >> 4) & 15).to(tl.float16) * scale,
+            _iq4_level((words >> 8) & 15).to(tl.float16) * scale,
+            _iq4_level((words >> 12) & 15).to(tl.float16) * scale,
+            _iq4_level((words >> 16) & 15).to(tl.float16) * scale,
+            _iq4_level((words >> 20) & 15).to(tl.float16) * scale,
+            _iq4_level((words >> 24) & 15).to(tl.float16) * scale,
+            _iq4_level((words >> 28) & 15).to(tl.float16) * scale)
 
 
 @triton.jit

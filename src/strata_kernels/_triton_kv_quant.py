@@ -10,12 +10,24 @@ import triton.language as tl
 from .formats import lookup_table
 from .kv_store import INT4_BLOCK, INT8_GROUP, KVStore
 from .launch_plans import kv_quantize_launch
-from .reference_kv import nf4_scale_candidates
+from .reference_kv import NF4_SCALE_BITS, nf4_scale_candidates
 
 
 @triton.jit
 def _round_half_away(x):
     return tl.where(x >= 0, tl.floor(x + 0.5), -tl.floor(-x + 0.5))
+
+
+# A float16 scale's low mantissa bits that the writers clear: half their weight (to round) and the mask
+_SCALE_HALF = tl.constexpr(1 << (10 - NF4_SCALE_BITS))
+_SCALE_MASK = tl.constexpr(-(1 << (11 - NF4_SCALE_BITS)))
+
+
+@triton.jit
+def _round_scale_bits(scales):
+    """Float16 ``scales`` to NF4_SCALE_BITS significant bits (reference_kv.round_scale_bits)."""
+    bits = scales.to(tl.int16, bitcast=True).to(tl.int32)
+    return ((bits + _SCALE_HALF) & _SCALE_MASK).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -66,7 +78,7 @@ def _quantize_kernel(x, slots, codes, scales, levels, candidates, HKV, D: tl.con
         # All candidate scales at once, one per row of a [CANDIDATES, GROUP // 2] tile;
         # keep the first with the least squared error, as the reference does.
         c = tl.arange(0, CANDIDATES)
-        tried = (extreme * tl.load(candidates + c, mask=c < N_CANDIDATES, other=0.0)).to(tl.float16)
+        tried = _round_scale_bits((extreme * tl.load(candidates + c, mask=c < N_CANDIDATES, other=0.0)).to(tl.float16))
         s = tried.to(tl.float32)[:, None]
         safe = tl.where(s != 0, s, 1.0)
         qe = _nearest_level(tl.where(s != 0, even[None, :] / safe, 0.0), levels)
@@ -75,7 +87,7 @@ def _quantize_kernel(x, slots, codes, scales, levels, candidates, HKV, D: tl.con
         do = tl.load(levels + qo) * s - odd[None, :]
         error = tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
         best = tl.argmin(tl.where(c < N_CANDIDATES, error, float("inf")), axis=0, tie_break_left=True)
-        scale = (extreme * tl.load(candidates + best)).to(tl.float16)
+        scale = _round_scale_bits((extreme * tl.load(candidates + best)).to(tl.float16))
         s = scale.to(tl.float32)
         safe = tl.where(s != 0, s, 1.0)
         qe = _nearest_level(tl.where(s != 0, even / safe, 0.0), levels)

@@ -99,6 +99,28 @@ def test_read_back_within_half_a_step(fmt):
         assert float(err.max()) > 0  # it is a 4-bit format
 
 
+def test_value_scales_round_to_seven_bits_to_nearest():
+    """round_scale_bits: every float16 of either sign (all finite bit
+    patterns below the largest binade) to the nearest with 7 significant
+    bits, halves away from zero, a carry into the exponent where the
+    mantissa overflows; then -1152 * s / 16 is exact in float16 for every
+    scale up to 910 (what the GPU's value decode needs: _triton_convert.
+    WORD_IQ4_SCALED, _triton_attention.V_SHRINK)."""
+    bits = torch.arange(0, 0x7800, dtype=torch.int32)
+    both = torch.cat([bits, bits | 0x8000]).to(torch.int16).view(torch.float16)
+    rounded = round_scale_bits(both)
+    assert not (rounded.view(torch.int16) & 15).any()
+    exact, got = both.double(), rounded.double()
+    step = torch.where(exact == 0, 1.0, exact.abs()).log2().floor().exp2().clamp(min=2.0**-14) * 2.0**-6
+    assert bool(((got - exact).abs() <= step / 2).all())
+    half_way = (exact.abs() / step).frac() == 0.5
+    assert bool((got.abs()[half_way] > exact.abs()[half_way]).all())  # halves away from zero
+    assert torch.equal(got.sign(), torch.where(got == 0, 0.0, exact.sign()))
+    assert float(round_scale_bits(torch.tensor([1 + 2.0**-6 + 2.0**-7], dtype=torch.float16))) == 1 + 2.0**-5
+    shrunk = (rounded.float() / 16).half()[got.abs() <= 910]
+    assert torch.equal((shrunk.float() * -1152.0).half().double(), shrunk.double() * -1152.0)
+
+
 def test_nf4_scale_search_beats_the_extreme_on_a_level():
     """Each 4-bit block keeps the least-error candidate scale: never worse
     than the first candidate (the extreme on the -127 level, its scale

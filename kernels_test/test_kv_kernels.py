@@ -254,6 +254,35 @@ def test_many_splits_merge_to_one_pass(fmt):
     assert ok, report
 
 
+def test_sliding_decode_reads_only_the_window():
+    """A sliding layer's ring holds its window plus a chunk: a decode step
+    reads only the window's slots. The older slots, set to NaN after the
+    writes, leave the output as it was (masked after reading, a NaN key's
+    score and a NaN value times a zero probability are NaN): at positions
+    whose window wraps the ring's end and whose does not, split 1 and 3 ways."""
+    from strata_kernels._triton_attention import attention_triton
+    from strata_kernels.launch_plans import FORMAT_CODES, KernelLaunch
+
+    hkv, group, d, window, chunk = 2, 4, 64, 40, 16
+    capacity = window + chunk
+    store = KVStore.allocate("f16", capacity, hkv, d, float_dtype=torch.float32)
+    keys, values = _rand(150, hkv, d, seed=31), _rand(150, hkv, d, seed=32)
+    tables = BlockTables.contiguous(capacity)
+    launch = KernelLaunch(dict(D=d, FMT=FORMAT_CODES["f16"], BLOCK_M=16, BLOCK_N=16))
+    for pos in (100, 130, 149):  # window [61, 100] wraps the 56-slot ring; [91, 130] and [110, 149] too
+        kv_write(store, torch.arange(pos - capacity + 1, pos + 1), keys[pos - capacity + 1:pos + 1],
+                 values[pos - capacity + 1:pos + 1])
+        q = _rand(1, hkv * group, d, seed=pos)
+        expected = attention(q, store, pos, window, 0.125, backend="torch")
+        stale = torch.arange(pos - capacity + 1, pos + 1 - window) % capacity
+        store.k[stale] = float("nan")
+        store.v[stale] = float("nan")
+        for splits in (1, 3):
+            got = attention_triton(q[None], store, [pos], window, 0.125, tables, launch=(launch, splits))[0]
+            ok, report = _close(got, expected, "triton")
+            assert ok, (pos, splits, report)
+
+
 @pytest.mark.parametrize("sms,heads,context", [(132, 8, 4096), (82, 8, 4096), (132, 1, 4096), (132, 64, 1024)])
 def test_decode_splits_fill_every_sm_twice(sms, heads, context):
     """A decode step's programs (sequences x KV heads x splits) reach twice

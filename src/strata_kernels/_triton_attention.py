@@ -109,14 +109,16 @@ def _attention_kernel(
     # table:    [B, table_stride] int32, each sequence's blocks (table_lengths[b] of them): its
     #           position p lives in its ring's logical slot p % capacity (capacity = table_lengths[b]
     #           * block_size), which is store slot table[b, ls // block_size] * block_size
-    #           + ls % block_size; n_slots = min(capacity, start + T) logical slots are filled
+    #           + ls % block_size; the ring holds positions max(0, start + T - capacity).. of which
+    #           the rows see those from first = max(that, start + 1 - window) on (window > 0)
     # part_acc: [B, splits, HKV, T * G, D] float32 unnormalised outputs of each split
     # part_ml:  [B, splits, HKV, T * G, 2] float32 running max (natural log units) and sum of each split
     # grid:     (cdiv(T * G, BLOCK_M), HKV, B * splits); rows r = t * G + g are (query token, head in
-    #           group) pairs of one KV head; split s scans logical slots [s * slots_per_split,
+    #           group) pairs of one KV head; split s scans positions first + [s * slots_per_split,
     #           (s+1) * slots_per_split) of its sequence (none, past a shorter sequence's end)
-    # ONE_QUERY (T == 1): every row sees the same positions, so a slot's mask is a vector, added to the
-    # scores by the products themselves; otherwise each (row, slot) is masked.
+    # ONE_QUERY (T == 1): every row sees every position scanned, so the mask is the split's end only (a
+    # vector added to the scores by the products themselves); otherwise each (row, position) is
+    # masked, causally and by the window.
     # Positions, slots and rows are int32 (a context is < 2^31 positions); an element's offset is int64
     # from its slot's row on (a store may hold more than 2^31 elements). A slot's block is a multiply by
     # block_magic and a shift by block_shift (paging.divide_by_multiplying), not a division.
@@ -165,31 +167,35 @@ def _attention_kernel(
             starts_at = starts_at + (-(tl.sum(qg.to(tl.float32), axis=1) * KEY_BIAS),)
     q_pos = start + t
     end = start + T
-    n_slots = tl.minimum(capacity, end)
-    # The newest position's slot: a slot past it holds a position one lap older (no division per slot)
-    newest = (end - 1) % capacity
+    # The positions any row sees, oldest first: none a full ring has overwritten, none before the first
+    # row's window. Splits cut them, so a sliding layer's ring is read only where its window reaches.
+    first = tl.maximum(end - capacity, 0)
+    if window > 0:
+        first = tl.maximum(first, start + 1 - window)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     accs = ()
     for g in tl.static_range(VG):
         accs = accs + (tl.zeros((BLOCK_M, VW), tl.float32),)
     lo = sp * slots_per_split
-    hi = tl.minimum(lo + slots_per_split, n_slots)
+    hi = tl.minimum(lo + slots_per_split, end - first)
+    # Position first + lo + i lives in logical slot (first + lo + i) % capacity: one division a program,
+    # then a split (at most a ring long) wraps past the ring's end at most once.
+    slot_lo = (first + lo) % capacity
     # 0, from a loaded position (< 2^31) so that the compiler cannot fold it (_k8v4_values)
     lanes_zero = (start + tl.arange(0, BLOCK_N)) >> 31
     for n0 in range(lo, hi, BLOCK_N):
-        slots = n0 + tl.arange(0, BLOCK_N)
-        slot_ok = slots < hi
-        safe = tl.where(slot_ok, slots, 0)
-        k_pos = (end - 1) - (newest - safe) - tl.where(safe > newest, capacity, 0)
-        # safe // block_size by a high multiply and a shift (paging.divide_by_multiplying)
-        block = (tl.umulhi((safe * 2).to(tl.uint32, bitcast=True), block_magic.to(tl.uint32, bitcast=True))
+        i = n0 + tl.arange(0, BLOCK_N)
+        slot_ok = i < hi
+        ls = slot_lo + tl.where(slot_ok, i - lo, 0)
+        ls = tl.where(ls >= capacity, ls - capacity, ls)
+        # ls // block_size by a high multiply and a shift (paging.divide_by_multiplying)
+        block = (tl.umulhi((ls * 2).to(tl.uint32, bitcast=True), block_magic.to(tl.uint32, bitcast=True))
                  >> block_shift).to(tl.int32, bitcast=True)
-        physical = tl.load(blocks + block) * block_size + (safe - block * block_size)
+        physical = tl.load(blocks + block) * block_size + (ls - block * block_size)
         rows = (physical * HKV + kvh).to(tl.int64)
-        if ONE_QUERY:  # the slot's mask, added to its scores (0 or -inf)
-            seen = slot_ok & (k_pos >= 0) & ((window <= 0) | (end - 1 - k_pos < window))
-            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + tl.where(seen, 0.0, float("-inf"))[None, :]
+        if ONE_QUERY:  # past the split's end, -inf, added to the scores
+            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + tl.where(slot_ok, 0.0, float("-inf"))[None, :]
         else:
             s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if FMT == 0:
@@ -204,7 +210,8 @@ def _attention_kernel(
                              tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + starts_at[g][:, None])
                 s += dot * k_scale[g][None, :]
         if not ONE_QUERY:
-            allowed = slot_ok[None, :] & (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+            k_pos = first + i
+            allowed = slot_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -289,7 +296,10 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
     b, t, h, d = q.shape
     hkv = store.kv_heads
     g = h // hkv
-    n_slots = max(min(tables.capacity(i), s + t) for i, s in enumerate(starts))
+    # Positions a sequence's rows see: its ring's, its length's and its window's (the first row's
+    # window and the chunk) least.
+    reach = window + t - 1 if window else None
+    n_slots = max(min(tables.capacity(i), s + t, reach or s + t) for i, s in enumerate(starts))
     launch, splits = launch or attention_launch(t, g, n_slots, d, store.fmt, b * hkv, _sm_count(q.device))
     c = launch.constexprs
     block_n = c["BLOCK_N"]

@@ -38,9 +38,12 @@ KNOWN_DECODE_SPILLS = {
     # that live across the loop: every load and store of local memory is before or after the main loop,
     # once per program (read from the SASS of each when it was listed: none inside). (Keys made in the
     # tensor cores' layout, the D=256 and D=128 x 64-head tiles stopped spilling; with k8v4's values scaled
-    # by one fused multiply-add, its D=128 x 32-head tile.)
+    # by one fused multiply-add, its D=128 x 32-head tile, until the scan by positions: listed below.)
     ("_attention_kernel", "int8 D=64 decode BLOCK_M=64 BLOCK_N=64", "sm_86"):
         "32-44 bytes, outside the main loop: 64 query heads a KV head (multi-query attention's widest tile)",
+    ("_attention_kernel", "k8v4 D=128 decode BLOCK_M=32 BLOCK_N=64", "sm_86"):
+        "4 bytes (one store before the main loop, one load after: read from the SASS), since the kernel scans "
+        "positions and keeps the split's first slot and the ring's size across the loop",
 }
 
 

@@ -254,6 +254,33 @@ def test_many_splits_merge_to_one_pass(fmt):
     assert ok, report
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("spike", [14.0, 40.0], ids=["within-reach", "past-float16"])
+def test_decode_score_far_above_the_first_steps(fmt, spike):
+    """A later key whose score passes the first step's largest by ~20 or ~60
+    log2 units (a weight of 2^20 or 2^60 against the first step's: past
+    float16's range for any kernel that weighs a split against its first
+    step) still gives the exact path's output, whichever split holds it."""
+    from strata_kernels._triton_attention import attention_triton
+    from strata_kernels.launch_plans import FORMAT_CODES, KernelLaunch
+
+    hkv, group, d, context = 1, 4, 64, 300
+    q = _rand(1, hkv * group, d, seed=41)
+    keys, values = 0.3 * _rand(context, hkv, d, seed=42), _rand(context, hkv, d, seed=43)
+    keys[200, 0] = spike * q[0, 0] / q[0, 0].norm()  # head 0's score there: about 1.44 * spike log2 units
+    store = KVStore.allocate(fmt, context, hkv, d)
+    kv_write(store, torch.arange(context), keys, values)
+    expected = attention(q, store, context - 1, None, 0.125, backend="torch")
+    rotated = q @ hadamard(d) if store.rotated else q
+    launch = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[fmt], BLOCK_M=16, BLOCK_N=16))
+    for splits in (1, 3):
+        got = attention_triton(rotated[None], store, [context - 1], None, 0.125, BlockTables.contiguous(context),
+                               launch=(launch, splits))[0]
+        got = got @ hadamard(d) if store.rotated else got
+        ok, report = _close(got, expected, "triton")
+        assert ok, (splits, report)
+
+
 def test_sliding_decode_reads_only_the_window():
     """A sliding layer's ring holds its window plus a chunk: a decode step
     reads only the window's slots. The older slots, set to NaN after the

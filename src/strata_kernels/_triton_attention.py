@@ -298,8 +298,7 @@ def attention_triton(q: torch.Tensor, store: KVStore, starts: list[int], window:
     g = h // hkv
     # Positions a sequence's rows see: its ring's, its length's and its window's (the first row's
     # window and the chunk) least.
-    reach = window + t - 1 if window else None
-    n_slots = max(min(tables.capacity(i), s + t, reach or s + t) for i, s in enumerate(starts))
+    n_slots = max(min(tables.capacity(i), s + t, window + t - 1 if window else s + t) for i, s in enumerate(starts))
     launch, splits = launch or attention_launch(t, g, n_slots, d, store.fmt, b * hkv, _sm_count(q.device))
     c = launch.constexprs
     block_n = c["BLOCK_N"]

@@ -99,6 +99,24 @@ def test_a_register_rewritten_by_a_wide_result_ends_its_chain():
     assert f.round_trips == 1
 
 
+def test_a_loop_around_the_main_loop_is_not_the_main_loop():
+    """A pass that may run again (the attention's split read once more
+    against its largest score) wraps the main loop; its body holds the
+    inner loop and the inner loop's pipelined first loads, so it streams
+    more bytes a branch, but the inner loop is the one that runs: its
+    figures are read."""
+    nested = _SASS.replace(
+        "        /*0010*/                   S2R R0, SR_TID.X ;\n",
+        "        /*0010*/                   S2R R0, SR_TID.X ;\n.L_x_0:\n"
+        "        /*0018*/                   LDG.E.128 R20, desc[UR4][R2.64] ;\n").replace(
+        "        /*00a0*/                   EXIT ;\n",
+        "        /*0098*/                   ISETP.NE.AND P1, PT, R21, RZ, PT ;\n"
+        "        /*009c*/              @P1 BRA `(.L_x_0) ;\n"
+        "        /*00a0*/                   EXIT ;\n")
+    f = loop_figures(nested)
+    assert f.looped and f.instructions == 8 and f.load_bytes == 21  # 0x20..0x90, as without the outer loop
+
+
 def test_a_kernel_without_a_loop_is_read_whole():
     f = loop_figures(_SASS.replace("@P0 BRA `(.L_x_1)", "NOP"))
     assert not f.looped and f.instructions == 12  # every instruction, the trap after EXIT too

@@ -186,12 +186,15 @@ def _figures(body: list[tuple[int, str]], looped: bool) -> LoopFigures:
 
 
 def loop_figures(sass: str) -> LoopFigures:
-    """The figures of the backward branch's body that streams the most bytes
-    (the smaller body on a tie: an inner loop), or of the whole kernel."""
+    """The figures of the innermost backward branch's body that streams the
+    most bytes (the smaller body on a tie), or of the whole kernel. A loop
+    around a streaming loop (a pass that may run again) is not the main
+    loop: its body holds the inner one's and the inner's pipelined first
+    loads."""
     code, labels = _instructions(sass)
     if not code:
         raise ValueError("no SASS instructions found")
-    bodies = []
+    spans = []
     for i, (address, instruction) in enumerate(code):
         branch = _BRANCH.search(instruction)
         if branch and _opcode(instruction).startswith("BRA") and labels.get(branch.group(1), address + 1) <= address:
@@ -199,7 +202,9 @@ def loop_figures(sass: str) -> LoopFigures:
             body = [(a, ins) for a, ins in code[:i + 1] if a >= start]
             figures = _figures(body, True)
             if figures.load_bytes:  # not the trap after EXIT (a branch to itself)
-                bodies.append(figures)
+                spans.append((start, address, figures))
+    bodies = [f for start, end, f in spans
+              if not any(start <= s and e <= end and (s, e) != (start, end) for s, e, _ in spans)]
     if not bodies:
         return _figures(code, False)
     return max(bodies, key=lambda f: (f.load_bytes, -f.instructions))

@@ -40,9 +40,6 @@ EXPECTED_FAILURES = {
     ("gemv-mma", "IQ4_XS 14336x4096 M=8", "sm_90"): "R2",
     ("gemv-words", "IQ4_XS 4096x14336 M=1", "sm_90"): "R2",
     ("gemv-words", "IQ4_XS 14336x4096 M=1", "sm_90"): "R2",
-    # k8v4 values: an IQ4_NL codebook lookup (prmt) per 8 values and a scale per 32 in the tile (163-165).
-    ("attention", "k8v4 D=128 4K", "sm_90"): "R2",
-    ("attention", "k8v4 D=256 4K", "sm_90"): "R2",
 }
 
 _SASS = """

@@ -37,13 +37,19 @@ KNOWN_DECODE_SPILLS = {
     # Where the tile is widest (64 query heads a KV head; k8v4's float32 queries) ptxas spills a few values
     # that live across the loop: every load and store of local memory is before or after the main loop,
     # once per program (read from the SASS of each when it was listed: none inside). (Keys made in the
-    # tensor cores' layout, the D=256 and D=128 x 64-head tiles stopped spilling; with k8v4's values scaled
-    # by one fused multiply-add, its D=128 x 32-head tile, until the scan by positions: listed below.)
+    # tensor cores' layout, the D=256 and D=128 x 64-head tiles stopped spilling; k8v4's D=128 x 32-head
+    # tile spilled 4 bytes on sm_86 from the scan by positions until one query's splits were weighed
+    # against a fixed reference.)
     ("_attention_kernel", "int8 D=64 decode BLOCK_M=64 BLOCK_N=64", "sm_86"):
         "32-44 bytes, outside the main loop: 64 query heads a KV head (multi-query attention's widest tile)",
-    ("_attention_kernel", "k8v4 D=128 decode BLOCK_M=32 BLOCK_N=64", "sm_86"):
-        "4 bytes (one store before the main loop, one load after: read from the SASS), since the kernel scans "
-        "positions and keeps the split's first slot and the ring's size across the loop",
+    # One query weighed against a fixed reference: a loop of passes (a split read again where a weight would
+    # pass float16's range) around the main loop. ptxas 13.4 keeps two small f16 tiles on sm_86 under 96
+    # and 128 registers and spills one value across the passes: stored before the pass loop, loaded
+    # after the main loop ends, once a pass (read from the SASS: nothing inside the main loop).
+    ("_attention_kernel", "f16 D=64 decode BLOCK_M=16 BLOCK_N=32", "sm_86"):
+        "16 bytes (bfloat16 queries; a 64-bit address), outside the main loop, once a pass",
+    ("_attention_kernel", "f16 D=32 decode BLOCK_M=64 BLOCK_N=32", "sm_86"):
+        "8 bytes (float32 queries), outside the main loop, once a pass",
 }
 
 

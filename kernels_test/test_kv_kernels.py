@@ -255,16 +255,26 @@ def test_many_splits_merge_to_one_pass(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("spike", [14.0, 40.0], ids=["within-reach", "past-float16"])
+@pytest.mark.parametrize("spike", [14.0, 40.0, 120.0], ids=["within-reach", "past-float16", "past-float32"])
+# (the interpreter's numpy warns where a weight past float16's range is cast before the split is read again)
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_decode_score_far_above_the_first_steps(fmt, spike):
-    """A later key whose score passes the first step's largest by ~20 or ~60
-    log2 units (a weight of 2^20 or 2^60 against the first step's: past
-    float16's range for any kernel that weighs a split against its first
-    step) still gives the exact path's output, whichever split holds it."""
+    """A later key whose score passes the first step's largest by ~20, ~60
+    or ~170 log2 units (a weight of 2^20, 2^60 or 2^170 against the first
+    step's: past float16's range, then float32's, for a kernel that weighs
+    a split against its first step, as the one-query kernel does) still
+    gives the exact path's output, whichever split holds it. Both ways of
+    weighing (float16 and k8v4: a 16-row tile, D = 64, against a fixed
+    reference; a 64-row tile, D = 128, by a running max, as int8 always)."""
+    for d, block_m in ((64, 16), (128, 64)):
+        _decode_with_a_far_score(fmt, spike, d, block_m)
+
+
+def _decode_with_a_far_score(fmt, spike, d, block_m):
     from strata_kernels._triton_attention import attention_triton
     from strata_kernels.launch_plans import FORMAT_CODES, KernelLaunch
 
-    hkv, group, d, context = 1, 4, 64, 300
+    hkv, group, context = 1, 4, 300
     q = _rand(1, hkv * group, d, seed=41)
     keys, values = 0.3 * _rand(context, hkv, d, seed=42), _rand(context, hkv, d, seed=43)
     keys[200, 0] = spike * q[0, 0] / q[0, 0].norm()  # head 0's score there: about 1.44 * spike log2 units
@@ -272,13 +282,13 @@ def test_decode_score_far_above_the_first_steps(fmt, spike):
     kv_write(store, torch.arange(context), keys, values)
     expected = attention(q, store, context - 1, None, 0.125, backend="torch")
     rotated = q @ hadamard(d) if store.rotated else q
-    launch = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[fmt], BLOCK_M=16, BLOCK_N=16))
+    launch = KernelLaunch(dict(D=d, FMT=FORMAT_CODES[fmt], BLOCK_M=block_m, BLOCK_N=16))
     for splits in (1, 3):
         got = attention_triton(rotated[None], store, [context - 1], None, 0.125, BlockTables.contiguous(context),
                                launch=(launch, splits))[0]
         got = got @ hadamard(d) if store.rotated else got
         ok, report = _close(got, expected, "triton")
-        assert ok, (splits, report)
+        assert ok, (d, block_m, splits, report)
 
 
 def test_sliding_decode_reads_only_the_window():

@@ -97,6 +97,88 @@ def _k8v4_values(v, v_scales, rows, zero, D: tl.constexpr, USE_ASM: tl.constexpr
 
 
 @triton.jit
+def _step_rows(n0, lo, hi, slot_lo, capacity, blocks, block_size, block_magic, block_shift, HKV, kvh,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr = True):
+    """A step's ``BLOCK_N`` scan indices ``i`` from ``n0``, whether each is
+    before the split's end ``hi``, and the store row (int64) of each (past
+    the end: the split's first slot's, a valid address whose scores are
+    masked). Not ``MASKED``: the caller knows the step ends by ``hi``."""
+    i = n0 + tl.arange(0, BLOCK_N)
+    slot_ok = i < hi
+    ls = slot_lo + (tl.where(slot_ok, i - lo, 0) if MASKED else i - lo)
+    ls = tl.where(ls >= capacity, ls - capacity, ls)
+    # ls // block_size by a high multiply and a shift (paging.divide_by_multiplying)
+    block = (tl.umulhi((ls * 2).to(tl.uint32, bitcast=True), block_magic.to(tl.uint32, bitcast=True))
+             >> block_shift).to(tl.int32, bitcast=True)
+    physical = tl.load(blocks + block) * block_size + (ls - block * block_size)
+    return i, slot_ok, (physical * HKV + kvh).to(tl.int64)
+
+
+@triton.jit
+def _step_scores(s, queries, starts_at, k, k_scales, rows, D: tl.constexpr, FMT: tl.constexpr,
+                 KG: tl.constexpr, operand: tl.constexpr, USE_ASM: tl.constexpr):
+    """``s`` ``[BLOCK_M, BLOCK_N]`` plus the scores of the keys at ``rows``
+    (log2 units): one dot for a float cache, one per key group for a
+    quantized one, each scaled by its group's scale after."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    if FMT == 0:
+        d = tl.arange(0, D)
+        keys = tl.load(k + rows[:, None] * D + d[None, :]).to(operand)
+        s = tl.dot(queries[0], tl.trans(keys), s)
+    else:
+        k_scale = _columns(tl.load(k_scales + rows[:, None] * KG + tl.arange(0, KG)[None, :]).to(tl.float32),
+                           BLOCK_N, KG)
+        for g in tl.static_range(KG):
+            dot = tl.dot(queries[g], tl.trans(_group_tile(k, rows, g, D, True, USE_ASM)),
+                         tl.zeros(s.shape, tl.float32) + starts_at[g][:, None])
+            s += dot * k_scale[g][None, :]
+    return s
+
+
+@triton.jit
+def _step_values(v, v_scales, rows, lanes_zero, D: tl.constexpr, FMT: tl.constexpr, operand: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """The values at ``rows`` as a ``[BLOCK_N, D]`` operand tile: a float
+    cache's as stored, k8v4's decoded (V_SHRINK times smaller)."""
+    if FMT == 0:
+        tile = tl.load(v + rows[:, None] * D + tl.arange(0, D)[None, :]).to(operand)
+    else:  # (one return: Triton compiles the code after a constexpr branch's return too)
+        tile = _k8v4_values(v, v_scales, rows, lanes_zero, D, USE_ASM)
+    return tile
+
+
+@triton.jit
+def _fixed_reference_step(l_slots, acc, m_i, n0, lo, hi, slot_lo, capacity, blocks, block_size, block_magic,
+                          block_shift, HKV, kvh, queries, starts_at, k, k_scales, v, v_scales, lanes_zero,
+                          D: tl.constexpr, FMT: tl.constexpr, KG: tl.constexpr, BLOCK_N: tl.constexpr,
+                          operand: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+    """One step of a split weighed against ``m_i`` (LAZY_BIAS): each slot
+    lane's sum of weights ``l_slots`` ``[BLOCK_M, BLOCK_N]`` and ``acc``
+    ``[BLOCK_M, D]`` taken on. ``MASKED``: positions from ``hi`` on weigh
+    nothing (the loop's steps end by ``hi``: no mask)."""
+    i, slot_ok, rows = _step_rows(n0, lo, hi, slot_lo, capacity, blocks, block_size, block_magic, block_shift,
+                                  HKV, kvh, BLOCK_N, MASKED)
+    s = tl.zeros(l_slots.shape, tl.float32) - m_i[:, None]  # the products start at -m: scores less the reference
+    if MASKED:
+        s += tl.where(slot_ok, 0.0, float("-inf"))[None, :]
+    s = _step_scores(s, queries, starts_at, k, k_scales, rows, D, FMT, KG, operand, USE_ASM)
+    p = _exp2(s, USE_ASM)
+    l_slots += p
+    acc = tl.dot(p.to(operand), _step_values(v, v_scales, rows, lanes_zero, D, FMT, operand, USE_ASM), acc)
+    return l_slots, acc
+
+
+# One query's splits weigh their positions against a fixed reference instead of a running max: the split's
+# first step's largest score + LAZY_BIAS (log2 units). A weight 2^(s - m) meets the values as a float16
+# operand: while every slot lane's sum of weights stays within 2^15, none is past float16's range; a
+# split whose sums grow past it reads its positions again against a reference above its largest score
+# (rare: 0.02-0.95% of programs on Gemma 3 and SmolLM2 over a long Python source, splits of 128-1024
+# positions, steps of 32 and 64: bench/attention_reference.py).
+LAZY_BIAS = tl.constexpr(8.0)
+LAZY_LIMIT_WEIGHT = tl.constexpr(32768.0)  # 2^15: float16's largest power of two
+
+
+@triton.jit
 def _attention_kernel(
     q, k, v, k_scales, v_scales, table, table_lengths, starts, part_acc, part_ml,
     T, HKV, G, table_stride, block_size, block_magic, block_shift, splits, slots_per_split, window, scale,
@@ -112,7 +194,8 @@ def _attention_kernel(
     #           + ls % block_size; the ring holds positions max(0, start + T - capacity).. of which
     #           the rows see those from first = max(that, start + 1 - window) on (window > 0)
     # part_acc: [B, splits, HKV, T * G, D] float32 unnormalised outputs of each split
-    # part_ml:  [B, splits, HKV, T * G, 2] float32 running max (natural log units) and sum of each split
+    # part_ml:  [B, splits, HKV, T * G, 2] float32 each split's reference (its running max, or one query's fixed
+    #           one; natural log units) and its sum of weights against it
     # grid:     (cdiv(T * G, BLOCK_M), HKV, B * splits); rows r = t * G + g are (query token, head in
     #           group) pairs of one KV head; split s scans positions first + [s * slots_per_split,
     #           (s+1) * slots_per_split) of its sequence (none, past a shorter sequence's end)
@@ -172,11 +255,6 @@ def _attention_kernel(
     first = tl.maximum(end - capacity, 0)
     if window > 0:
         first = tl.maximum(first, start + 1 - window)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    accs = ()
-    for g in tl.static_range(VG):
-        accs = accs + (tl.zeros((BLOCK_M, VW), tl.float32),)
     lo = sp * slots_per_split
     hi = tl.minimum(lo + slots_per_split, end - first)
     # Position first + lo + i lives in logical slot (first + lo + i) % capacity: one division a program,
@@ -184,57 +262,87 @@ def _attention_kernel(
     slot_lo = (first + lo) % capacity
     # 0, from a loaded position (< 2^31) so that the compiler cannot fold it (_k8v4_values)
     lanes_zero = (start + tl.arange(0, BLOCK_N)) >> 31
-    for n0 in range(lo, hi, BLOCK_N):
-        i = n0 + tl.arange(0, BLOCK_N)
-        slot_ok = i < hi
-        ls = slot_lo + tl.where(slot_ok, i - lo, 0)
-        ls = tl.where(ls >= capacity, ls - capacity, ls)
-        # ls // block_size by a high multiply and a shift (paging.divide_by_multiplying)
-        block = (tl.umulhi((ls * 2).to(tl.uint32, bitcast=True), block_magic.to(tl.uint32, bitcast=True))
-                 >> block_shift).to(tl.int32, bitcast=True)
-        physical = tl.load(blocks + block) * block_size + (ls - block * block_size)
-        rows = (physical * HKV + kvh).to(tl.int64)
-        if ONE_QUERY:  # past the split's end, -inf, added to the scores
-            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + tl.where(slot_ok, 0.0, float("-inf"))[None, :]
-        else:
-            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if FMT == 0:
-            d = tl.arange(0, D)
-            keys = tl.load(k + rows[:, None] * D + d[None, :]).to(operand)
-            s = tl.dot(queries[0], tl.trans(keys), s)
-        else:
-            k_scale = _columns(tl.load(k_scales + rows[:, None] * KG + tl.arange(0, KG)[None, :]).to(tl.float32),
-                               BLOCK_N, KG)
-            for g in tl.static_range(KG):
-                dot = tl.dot(queries[g], tl.trans(_group_tile(k, rows, g, D, True, USE_ASM)),
-                             tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + starts_at[g][:, None])
-                s += dot * k_scale[g][None, :]
-        if not ONE_QUERY:
-            k_pos = first + i
-            allowed = slot_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
-            s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2(s - m_safe[:, None], USE_ASM)
-        corr = _exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe), USE_ASM)
-        l_i = l_i * corr + tl.sum(p, axis=1)
-        m_i = m_new
-        if FMT == 0:
-            d = tl.arange(0, D)
-            values = tl.load(v + rows[:, None] * D + d[None, :]).to(operand)
-            accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), values),)
-        elif FMT == 2:
-            values = _k8v4_values(v, v_scales, rows, lanes_zero, D, USE_ASM)
-            accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), values),)
-        else:
-            p16 = p.to(operand)
-            v_scale = _columns(tl.load(v_scales + rows[:, None] * VG + tl.arange(0, VG)[None, :]), BLOCK_N, VG)
-            new = ()
-            for g in tl.static_range(VG):
-                tile = _group_tile(v, rows, g, D, False, USE_ASM)
-                new = new + (accs[g] * corr[:, None] + tl.dot(p16 * v_scale[g][None, :], tile),)
-            accs = new
+    # One query over float16 or k8v4 values: a fixed reference (LAZY_BIAS), so a step finds no max across
+    # the warps and rescales nothing; each slot lane keeps its own sum until the end. Not for int8 (its
+    # weights meet its value scales in float16, where 2^15 times a scale can overflow), nor for tiles past
+    # 4096 accumulators a program (the lanes' sums on top of them spilled registers: f16 D=128 x 64 heads
+    # 56-236 bytes, D=256 x 32 up to 32; k8v4 D=128 x 64 404-984, D=256 x 32 664-808, D=512 392-568).
+    FIXED_REFERENCE: tl.constexpr = ONE_QUERY and FMT != 1 and BLOCK_M * D <= 4096
+    if FIXED_REFERENCE:
+        # The reference: the first step's largest score + LAZY_BIAS, that step's scores taken on as they are.
+        i, slot_ok, rows = _step_rows(lo, lo, hi, slot_lo, capacity, blocks, block_size, block_magic,
+                                      block_shift, HKV, kvh, BLOCK_N)
+        s = _step_scores(tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + tl.where(slot_ok, 0.0, float("-inf"))[None, :],
+                         queries, starts_at, k, k_scales, rows, D, FMT, KG, operand, USE_ASM)
+        m_i = tl.max(s, axis=1) + LAZY_BIAS
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # an empty split (its m is stored as -inf below)
+        p = _exp2(s - m_i[:, None], USE_ASM)
+        l_slots = p
+        acc = tl.dot(p.to(operand), _step_values(v, v_scales, rows, lanes_zero, D, FMT, operand, USE_ASM))
+        # Whole steps in the loop, unmasked; a partial last one after it.
+        whole_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        n_from = lo + BLOCK_N
+        scanning = lo < hi
+        while scanning:
+            for n0 in range(n_from, whole_end, BLOCK_N):
+                l_slots, acc = _fixed_reference_step(
+                    l_slots, acc, m_i, n0, lo, hi, slot_lo, capacity, blocks, block_size, block_magic,
+                    block_shift, HKV, kvh, queries, starts_at, k, k_scales, v, v_scales, lanes_zero,
+                    D, FMT, KG, BLOCK_N, operand, USE_ASM, False)
+            if (whole_end < hi) & (whole_end >= n_from):  # (the first pass's first step is done above)
+                l_slots, acc = _fixed_reference_step(
+                    l_slots, acc, m_i, whole_end, lo, hi, slot_lo, capacity, blocks, block_size, block_magic,
+                    block_shift, HKV, kvh, queries, starts_at, k, k_scales, v, v_scales, lanes_zero,
+                    D, FMT, KG, BLOCK_N, operand, USE_ASM, True)
+            # A slot lane's sum bounds each of its weights: none past LAZY_LIMIT_WEIGHT, none past float16's
+            # range. Else the split once more, against m_i + log2 of the row's largest lane sum (at least
+            # its largest score: no weight past 1, and this loop ends), or m_i + 100 where a weight passed
+            # float32's range too (a sum of inf: then as many passes as it takes).
+            lane_max = tl.max(l_slots, axis=1)
+            scanning = tl.max(lane_max, axis=0) > LAZY_LIMIT_WEIGHT
+            m_i = tl.where(scanning, m_i + tl.minimum(tl.log2(lane_max), 100.0), m_i)
+            acc = tl.where(scanning, 0.0, acc)
+            l_slots = tl.where(scanning, 0.0, l_slots)
+            n_from = tl.where(scanning, lo, hi)
+        l_i = tl.sum(l_slots, axis=1)
+        m_i = tl.where(lo < hi, m_i, float("-inf"))
+        accs = (acc,)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        accs = ()
+        for g in tl.static_range(VG):
+            accs = accs + (tl.zeros((BLOCK_M, VW), tl.float32),)
+        for n0 in range(lo, hi, BLOCK_N):
+            i, slot_ok, rows = _step_rows(n0, lo, hi, slot_lo, capacity, blocks, block_size, block_magic,
+                                          block_shift, HKV, kvh, BLOCK_N)
+            if ONE_QUERY:  # past the split's end, -inf, added to the scores
+                s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32) + tl.where(slot_ok, 0.0, float("-inf"))[None, :]
+            else:
+                s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            s = _step_scores(s, queries, starts_at, k, k_scales, rows, D, FMT, KG, operand, USE_ASM)
+            if not ONE_QUERY:
+                k_pos = first + i
+                allowed = slot_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+                allowed &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
+                s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = _exp2(s - m_safe[:, None], USE_ASM)
+            corr = _exp2(tl.where(m_i == float("-inf"), float("-inf"), m_i - m_safe), USE_ASM)
+            l_i = l_i * corr + tl.sum(p, axis=1)
+            m_i = m_new
+            if FMT == 1:
+                p16 = p.to(operand)
+                v_scale = _columns(tl.load(v_scales + rows[:, None] * VG + tl.arange(0, VG)[None, :]), BLOCK_N, VG)
+                new = ()
+                for g in tl.static_range(VG):
+                    tile = _group_tile(v, rows, g, D, False, USE_ASM)
+                    new = new + (accs[g] * corr[:, None] + tl.dot(p16 * v_scale[g][None, :], tile),)
+                accs = new
+            else:
+                values = _step_values(v, v_scales, rows, lanes_zero, D, FMT, operand, USE_ASM)
+                accs = (accs[0] * corr[:, None] + tl.dot(p.to(operand), values),)
     out_row = (((seq * splits + sp) * HKV + kvh) * T * G + r).to(tl.int64)
     vd = tl.arange(0, VW)
     if FMT == 2:

@@ -256,8 +256,10 @@ def test_many_splits_merge_to_one_pass(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("spike", [14.0, 40.0, 120.0], ids=["within-reach", "past-float16", "past-float32"])
-# (the interpreter's numpy warns where a weight past float16's range is cast before the split is read again)
+# (the interpreter's numpy warns where a weight past float16's range is cast, or past float32's is made,
+# before the split is read again)
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 def test_decode_score_far_above_the_first_steps(fmt, spike):
     """A later key whose score passes the first step's largest by ~20, ~60
     or ~170 log2 units (a weight of 2^20, 2^60 or 2^170 against the first

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 from strata_server.config import ServerConfig
 from strata_server.metrics import Metrics
@@ -89,5 +90,27 @@ def test_a_dead_supervisor_ends_the_server(model_file):
         # It was in the engine at a hard crash: a suspect, answered not to be retried.
         assert kind == "error" and error.status == 500 and error.code == "engine_crashed"
         assert error.headers == {"x-should-retry": "false"}
+
+    _run(model_file, scenario)
+
+
+def test_an_engine_reaped_before_the_event_loop_hears_is_not_answering(model_file):
+    """Killed from outside, the child is reaped by asyncio's child-watcher
+    thread at once, but its exit code reaches the event loop only on the
+    loop's next turn: between the two, ``/proc`` no longer has the process
+    and a health probe answered in that turn must not say 200 (a client
+    that saw 200 sent its request to an engine restarting). The loop is held
+    here (a blocking wait in the loop's own thread) until the process is
+    gone from ``/proc``."""
+    async def scenario(sup, failed):
+        pid = sup._proc.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.01)  # blocks the loop: the exit code cannot arrive meanwhile
+        assert sup._proc.returncode is None  # the loop has not heard
+        assert not sup.answering and sup.health()[0] == 503
+        await _until(lambda: sup.restarts == 1 and sup.answering)
+        assert (await _events(sup.submit(_command("Hello"))))[-1][0] == "done"
 
     _run(model_file, scenario)

@@ -129,16 +129,21 @@ class Supervisor(ExitAccounting):
 
     def _child_alive(self) -> bool:
         """Whether the engine process still runs: killed from outside (the OOM
-        killer, an operator), it is dead before the event loop reaps it, and
-        no request may be sent to it meanwhile."""
+        killer, an operator), it is dead before the event loop hears its exit
+        code, and no request may be sent to it meanwhile. Dead is a zombie in
+        ``/proc``, or no entry there at all: asyncio's child-watcher thread
+        reaps the child at once and the exit code reaches the loop a turn
+        later (a health probe answered in between said 200)."""
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return False
         try:
             with open(f"/proc/{proc.pid}/stat", "rb") as f:
                 state = f.read().rsplit(b")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return not os.path.isdir("/proc/self")  # reaped; or no /proc here, and the exit code is the word
         except (OSError, IndexError):
-            return True  # no /proc here: the reaping is the word
+            return True
         return state not in (b"Z", b"X")
 
     def health(self) -> tuple[int, dict[str, Any]]:

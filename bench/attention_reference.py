@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 
 import strata_runtime
+from strata_kernels import _triton_attention
+from strata_kernels.kv_quant import hadamard
 from strata_kernels.reference_kv import kv_dequantize
 from strata_runtime.files import default_model_path
 from strata_runtime.state import kv_cache
 
-LAZY_BIAS = 8.0  # _triton_attention's constants (the kernel's own are Triton constexprs)
-LAZY_LIMIT_WEIGHT = 32768.0
+LAZY_BIAS = _triton_attention.LAZY_BIAS.value  # the kernel's constants, as plain floats
+LAZY_LIMIT_WEIGHT = _triton_attention.LAZY_LIMIT_WEIGHT.value
 SPLITS = (128, 256, 512, 1024)
 STEPS = (32, 64)  # the kernel's BLOCK_N: f16 at D <= 128, k8v4
 
@@ -100,7 +102,6 @@ def measure(path: Path, text: str, n_tokens: int, every: int) -> Tally:
                 keys = visible_keys(store, tables, first, pos + 1)  # [n, Hkv, D]
                 qf = q[t].float().reshape(store.kv_heads, group, -1)
                 if store.rotated:
-                    from strata_kernels.kv_quant import hadamard
                     qf = qf @ hadamard(qf.shape[-1])
                 scores = torch.einsum("kgd,nkd->kgn", qf, keys).reshape(q.shape[1], -1) * (scale / math.log(2))
                 judge(scores, group, tally)
